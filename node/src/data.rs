@@ -1,0 +1,1 @@
+//! Token data: llm.c shards and per-worker batch streams (being written).

@@ -1,0 +1,5 @@
+//! `gasloc-node`: the volunteer's command-line entry point.
+
+fn main() {
+    println!("gasloc-node");
+}

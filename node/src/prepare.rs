@@ -1,0 +1,1 @@
+//! `gasloc-node data prepare` (being written).

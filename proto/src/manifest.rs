@@ -1,0 +1,527 @@
+//! The run manifest: the TOML file that defines a training run.
+//!
+//! Every node of a run must hold the same manifest. A manifest is parsed, checked
+//! (unknown keys and impossible values are errors that name the key), and *resolved*:
+//! named model sizes are expanded and every default is filled in. The **run id** is the
+//! SHA-256 of the resolved manifest's canonical bytes ([`RunManifest::canonical_bytes`]),
+//! so comments, key order and spelled-out defaults do not change it.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::path::Path;
+
+/// Why a manifest was refused. The message names the file and the key.
+#[derive(Debug, thiserror::Error)]
+pub enum ManifestError {
+    #[error("cannot read run manifest {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("run manifest {path}: {message}")]
+    Parse { path: String, message: String },
+    #[error("run manifest {path}: {key} {message}")]
+    Invalid {
+        path: String,
+        key: &'static str,
+        message: String,
+    },
+}
+
+/// The tokenizer a run's data was prepared with; it fixes the vocabulary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tokenizer {
+    /// GPT-2 BPE (tiktoken's `r50k_base`), 50257 tokens, end-of-text 50256.
+    Gpt2,
+    /// Raw bytes, vocabulary 256, end-of-text 0 (NUL never occurs in text).
+    Byte,
+}
+
+impl Tokenizer {
+    /// The token ids the tokenizer can produce.
+    pub fn vocab_size(self) -> usize {
+        match self {
+            Tokenizer::Gpt2 => 50257,
+            Tokenizer::Byte => 256,
+        }
+    }
+    /// The model's embedding rows: GPT-2's vocabulary padded to a multiple of 64.
+    pub fn padded_vocab_size(self) -> usize {
+        self.vocab_size().div_ceil(64) * 64
+    }
+    pub fn end_of_text(self) -> u32 {
+        match self {
+            Tokenizer::Gpt2 => 50256,
+            Tokenizer::Byte => 0,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Tokenizer::Gpt2 => "gpt2",
+            Tokenizer::Byte => "byte",
+        }
+    }
+}
+
+impl std::str::FromStr for Tokenizer {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "gpt2" => Ok(Tokenizer::Gpt2),
+            "byte" => Ok(Tokenizer::Byte),
+            other => Err(format!("unknown tokenizer {other:?} (expected gpt2 or byte)")),
+        }
+    }
+}
+
+/// The numeric type of the forward and backward pass on CUDA. Master weights and the
+/// optimizer stay in fp32 whatever is chosen; on CPU the model always runs in fp32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CudaCompute {
+    Bf16,
+    Fp32,
+}
+
+/// A fully resolved Llama-3-style decoder shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub vocab_size: usize,
+    pub d_model: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub ffn_hidden: usize,
+    pub max_seq_len: usize,
+    pub rope_theta: f64,
+    pub norm_eps: f64,
+    pub tie_embeddings: bool,
+    pub init_std: f64,
+    pub cuda_compute: CudaCompute,
+}
+
+impl ModelConfig {
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads
+    }
+
+    /// Parameters in the model (tied embeddings counted once).
+    pub fn parameter_count(&self) -> usize {
+        let d = self.d_model;
+        let kv = self.n_kv_heads * self.head_dim();
+        let attn = d * d * 2 + d * kv * 2;
+        let mlp = 3 * d * self.ffn_hidden;
+        let per_layer = attn + mlp + 2 * d;
+        let embed = self.vocab_size * d;
+        let head = if self.tie_embeddings { 0 } else { embed };
+        embed + head + self.n_layers * per_layer + d
+    }
+}
+
+/// Llama's MLP width: 8/3·d rounded up to a multiple of 256 (of 32 for small widths).
+fn llama_ffn_hidden(d_model: usize) -> usize {
+    let multiple = if d_model >= 256 { 256 } else { 32 };
+    (8 * d_model / 3).div_ceil(multiple) * multiple
+}
+
+/// `[model]` as written in the file: a named size and/or explicit fields.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ModelSection {
+    size: Option<String>,
+    vocab_size: Option<usize>,
+    d_model: Option<usize>,
+    n_layers: Option<usize>,
+    n_heads: Option<usize>,
+    n_kv_heads: Option<usize>,
+    ffn_hidden: Option<usize>,
+    max_seq_len: Option<usize>,
+    rope_theta: Option<f64>,
+    norm_eps: Option<f64>,
+    tie_embeddings: Option<bool>,
+    init_std: Option<f64>,
+    cuda_compute: Option<CudaCompute>,
+}
+
+/// Token data and batch shape.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    pub tokenizer: Tokenizer,
+    /// Tokens per training sequence.
+    pub seq_len: usize,
+    /// Sequences per micro-batch.
+    pub micro_batch: usize,
+    /// Micro-batches accumulated into one optimizer step.
+    #[serde(default = "one")]
+    pub grad_accum: usize,
+}
+
+impl DataConfig {
+    /// Tokens consumed by one optimizer step.
+    pub fn tokens_per_step(&self) -> usize {
+        self.seq_len * self.micro_batch * self.grad_accum
+    }
+}
+
+/// Inner optimizer (AdamW) and its learning-rate schedule.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerConfig {
+    #[serde(default = "default_lr")]
+    pub lr: f64,
+    /// The cosine decays to `lr · min_lr_ratio`.
+    #[serde(default = "default_min_lr_ratio")]
+    pub min_lr_ratio: f64,
+    #[serde(default)]
+    pub warmup_steps: u64,
+    /// Steps over which the cosine decays (warm-up included); flat at the minimum after.
+    pub decay_steps: u64,
+    #[serde(default = "default_beta1")]
+    pub beta1: f64,
+    #[serde(default = "default_beta2")]
+    pub beta2: f64,
+    #[serde(default = "default_eps")]
+    pub eps: f64,
+    #[serde(default = "default_weight_decay")]
+    pub weight_decay: f64,
+    /// Also decay norm gains and embeddings (off by default, as in most Llama recipes).
+    #[serde(default)]
+    pub decay_norms_and_embeddings: bool,
+    /// Global gradient-norm clip; 0 turns clipping off.
+    #[serde(default = "one_f64")]
+    pub grad_clip: f64,
+}
+
+/// Validation during training.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EvalConfig {
+    /// Optimizer steps between validation losses.
+    #[serde(default = "default_eval_interval")]
+    pub interval: u64,
+    /// Micro-batches of the validation split per validation loss.
+    #[serde(default = "default_eval_batches")]
+    pub batches: usize,
+}
+
+impl Default for EvalConfig {
+    fn default() -> Self {
+        EvalConfig {
+            interval: default_eval_interval(),
+            batches: default_eval_batches(),
+        }
+    }
+}
+
+fn one() -> usize {
+    1
+}
+fn one_f64() -> f64 {
+    1.0
+}
+fn default_lr() -> f64 {
+    4e-4
+}
+fn default_min_lr_ratio() -> f64 {
+    0.1
+}
+fn default_beta1() -> f64 {
+    0.9
+}
+fn default_beta2() -> f64 {
+    0.95
+}
+fn default_eps() -> f64 {
+    1e-8
+}
+fn default_weight_decay() -> f64 {
+    0.1
+}
+fn default_eval_interval() -> u64 {
+    50
+}
+fn default_eval_batches() -> usize {
+    8
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ManifestFile {
+    name: String,
+    seed: u64,
+    #[serde(default)]
+    model: ModelSection,
+    data: DataConfig,
+    optimizer: OptimizerConfig,
+    #[serde(default)]
+    eval: EvalConfig,
+}
+
+/// A resolved, validated run manifest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunManifest {
+    pub name: String,
+    pub seed: u64,
+    pub model: ModelConfig,
+    pub data: DataConfig,
+    pub optimizer: OptimizerConfig,
+    pub eval: EvalConfig,
+}
+
+impl RunManifest {
+    /// Reads, parses and validates a manifest file.
+    pub fn load(path: &Path) -> Result<Self, ManifestError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ManifestError::Read {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates manifest text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Self, ManifestError> {
+        let file: ManifestFile = toml::from_str(text).map_err(|e| ManifestError::Parse {
+            path: origin.to_string(),
+            message: e.to_string().trim_end().to_string(),
+        })?;
+        let invalid = |key: &'static str, message: String| ManifestError::Invalid {
+            path: origin.to_string(),
+            key,
+            message,
+        };
+        let model = resolve_model(&file.model, &file.data).map_err(|(k, m)| invalid(k, m))?;
+        let manifest = RunManifest {
+            name: file.name,
+            seed: file.seed,
+            model,
+            data: file.data,
+            optimizer: file.optimizer,
+            eval: file.eval,
+        };
+        manifest.validate().map_err(|(k, m)| invalid(k, m))?;
+        Ok(manifest)
+    }
+
+    /// The canonical bytes: the resolved manifest written back as TOML, every key
+    /// present, in the declaration order of these structs.
+    pub fn canonical_bytes(&self) -> Vec<u8> {
+        toml::to_string(self)
+            .expect("a resolved manifest always serializes")
+            .into_bytes()
+    }
+
+    /// The run id: lowercase hex SHA-256 of [`Self::canonical_bytes`].
+    pub fn run_id(&self) -> String {
+        hex::encode(Sha256::digest(self.canonical_bytes()))
+    }
+
+    fn validate(&self) -> Result<(), (&'static str, String)> {
+        let m = &self.model;
+        let d = &self.data;
+        let o = &self.optimizer;
+        let positive = [
+            ("model.vocab_size", m.vocab_size),
+            ("model.d_model", m.d_model),
+            ("model.n_layers", m.n_layers),
+            ("model.n_heads", m.n_heads),
+            ("model.n_kv_heads", m.n_kv_heads),
+            ("model.ffn_hidden", m.ffn_hidden),
+            ("model.max_seq_len", m.max_seq_len),
+            ("data.seq_len", d.seq_len),
+            ("data.micro_batch", d.micro_batch),
+            ("data.grad_accum", d.grad_accum),
+            ("eval.batches", self.eval.batches),
+        ];
+        for (key, value) in positive {
+            if value == 0 {
+                return Err((key, "must be at least 1".into()));
+            }
+        }
+        if m.d_model % m.n_heads != 0 {
+            return Err((
+                "model.n_heads",
+                format!("= {} does not divide model.d_model = {}", m.n_heads, m.d_model),
+            ));
+        }
+        if m.head_dim() % 2 != 0 {
+            return Err((
+                "model.n_heads",
+                format!("gives an odd head dimension {} (RoPE needs it even)", m.head_dim()),
+            ));
+        }
+        if m.n_heads % m.n_kv_heads != 0 {
+            return Err((
+                "model.n_kv_heads",
+                format!("= {} does not divide model.n_heads = {}", m.n_kv_heads, m.n_heads),
+            ));
+        }
+        if m.vocab_size < d.tokenizer.vocab_size() {
+            return Err((
+                "model.vocab_size",
+                format!(
+                    "= {} is smaller than the {} tokenizer's {} tokens",
+                    m.vocab_size,
+                    d.tokenizer.name(),
+                    d.tokenizer.vocab_size()
+                ),
+            ));
+        }
+        if d.seq_len > m.max_seq_len {
+            return Err((
+                "data.seq_len",
+                format!("= {} exceeds model.max_seq_len = {}", d.seq_len, m.max_seq_len),
+            ));
+        }
+        let finite_positive = [
+            ("model.rope_theta", m.rope_theta),
+            ("model.norm_eps", m.norm_eps),
+            ("model.init_std", m.init_std),
+            ("optimizer.lr", o.lr),
+            ("optimizer.eps", o.eps),
+        ];
+        for (key, value) in finite_positive {
+            if !(value.is_finite() && value > 0.0) {
+                return Err((key, format!("= {value} must be a positive number")));
+            }
+        }
+        let unit = [
+            ("optimizer.beta1", o.beta1),
+            ("optimizer.beta2", o.beta2),
+            ("optimizer.min_lr_ratio", o.min_lr_ratio),
+        ];
+        for (key, value) in unit {
+            if !(0.0..=1.0).contains(&value) || (key != "optimizer.min_lr_ratio" && value == 1.0) {
+                return Err((key, format!("= {value} must lie in [0, 1)")));
+            }
+        }
+        if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
+            return Err(("optimizer.weight_decay", format!("= {} must be ≥ 0", o.weight_decay)));
+        }
+        if !(o.grad_clip.is_finite() && o.grad_clip >= 0.0) {
+            return Err(("optimizer.grad_clip", format!("= {} must be ≥ 0", o.grad_clip)));
+        }
+        if o.decay_steps == 0 || o.warmup_steps > o.decay_steps {
+            return Err((
+                "optimizer.decay_steps",
+                format!(
+                    "= {} must be ≥ 1 and ≥ optimizer.warmup_steps = {}",
+                    o.decay_steps, o.warmup_steps
+                ),
+            ));
+        }
+        if self.eval.interval == 0 {
+            return Err(("eval.interval", "must be at least 1".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Expands `[model]`: a named size gives the shape, explicit keys override it.
+fn resolve_model(
+    s: &ModelSection,
+    data: &DataConfig,
+) -> Result<ModelConfig, (&'static str, String)> {
+    // (d_model, n_layers, n_heads, n_kv_heads, tie_embeddings)
+    let preset = match s.size.as_deref() {
+        None => None,
+        Some("tiny") => Some((64, 2, 4, 2, false)),
+        Some("16m") => Some((256, 4, 4, 4, true)),
+        Some("125m") => Some((768, 12, 12, 12, true)),
+        Some(other) => {
+            return Err((
+                "model.size",
+                format!("= {other:?} is not a known size (tiny, 16m, 125m)"),
+            ))
+        }
+    };
+    let need = |v: Option<usize>, p: Option<usize>, key: &'static str| {
+        v.or(p)
+            .ok_or((key, "is required when model.size is not given".to_string()))
+    };
+    let d_model = need(s.d_model, preset.map(|p| p.0), "model.d_model")?;
+    let n_layers = need(s.n_layers, preset.map(|p| p.1), "model.n_layers")?;
+    let n_heads = need(s.n_heads, preset.map(|p| p.2), "model.n_heads")?;
+    let n_kv_heads = s.n_kv_heads.or(preset.map(|p| p.3)).unwrap_or(n_heads);
+    Ok(ModelConfig {
+        vocab_size: s
+            .vocab_size
+            .unwrap_or_else(|| data.tokenizer.padded_vocab_size()),
+        d_model,
+        n_layers,
+        n_heads,
+        n_kv_heads,
+        ffn_hidden: s.ffn_hidden.unwrap_or_else(|| llama_ffn_hidden(d_model)),
+        max_seq_len: s.max_seq_len.unwrap_or(data.seq_len.max(1024)),
+        rope_theta: s.rope_theta.unwrap_or(500_000.0),
+        norm_eps: s.norm_eps.unwrap_or(1e-5),
+        tie_embeddings: s
+            .tie_embeddings
+            .or(preset.map(|p| p.4))
+            .unwrap_or(false),
+        init_std: s.init_std.unwrap_or(0.02),
+        cuda_compute: s.cuda_compute.unwrap_or(CudaCompute::Bf16),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TINY: &str = r#"
+name = "t"
+seed = 1
+[model]
+size = "tiny"
+[data]
+tokenizer = "byte"
+seq_len = 64
+micro_batch = 4
+[optimizer]
+decay_steps = 100
+"#;
+
+    #[test]
+    fn presets_resolve_to_the_named_shapes() {
+        let m = RunManifest::parse(TINY, "t").unwrap();
+        assert_eq!((m.model.d_model, m.model.n_layers, m.model.vocab_size), (64, 2, 256));
+        let big = TINY
+            .replace("\"tiny\"", "\"125m\"")
+            .replace("\"byte\"", "\"gpt2\"");
+        let m = RunManifest::parse(&big, "t").unwrap();
+        assert_eq!((m.model.d_model, m.model.n_layers, m.model.n_heads), (768, 12, 12));
+        assert_eq!((m.model.vocab_size, m.model.ffn_hidden), (50304, 2048));
+        let p = m.model.parameter_count();
+        assert!((120_000_000..130_000_000).contains(&p), "{p}");
+    }
+
+    #[test]
+    fn run_id_ignores_comments_and_spelled_out_defaults() {
+        let a = RunManifest::parse(TINY, "a").unwrap();
+        let b = RunManifest::parse(
+            &format!("# a comment\n{}", TINY.replace("decay_steps = 100", "decay_steps = 100\nlr = 4e-4")),
+            "b",
+        )
+        .unwrap();
+        assert_eq!(a.run_id(), b.run_id());
+        let c = RunManifest::parse(&TINY.replace("seed = 1", "seed = 2"), "c").unwrap();
+        assert_ne!(a.run_id(), c.run_id());
+        assert_eq!(a.run_id().len(), 64);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_name_the_key() {
+        let e = RunManifest::parse(&TINY.replace("seq_len", "seq_length"), "x.toml").unwrap_err();
+        assert!(e.to_string().contains("seq_length"), "{e}");
+        let e = RunManifest::parse(&TINY.replace("size = \"tiny\"", "size = \"tiny\"\nn_heads = 3"), "x")
+            .unwrap_err();
+        assert!(e.to_string().contains("model.n_heads"), "{e}");
+        let e = RunManifest::parse(&TINY.replace("micro_batch = 4", "micro_batch = 0"), "x").unwrap_err();
+        assert!(e.to_string().contains("data.micro_batch"), "{e}");
+        let e = RunManifest::parse(&TINY.replace("\"tiny\"", "\"huge\""), "x").unwrap_err();
+        assert!(e.to_string().contains("model.size"), "{e}");
+    }
+}
