@@ -1,1 +1,0 @@
-//! Token data: llm.c shards and per-worker batch streams (being written).

@@ -1,1 +1,0 @@
-//! `gasloc-node data prepare` (being written).

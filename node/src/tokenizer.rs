@@ -1,1 +1,0 @@
-//! Tokenizers (being written).
