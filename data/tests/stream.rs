@@ -95,7 +95,7 @@ fn assert_well_formed(batch: &Batch) {
             "window start {first}"
         );
         assert!(
-            first + SEQ_LEN as i64 + 1 <= shard_end,
+            first + (SEQ_LEN as i64) < shard_end,
             "window {first} crosses its shard end"
         );
         for t in 0..SEQ_LEN {
