@@ -44,6 +44,20 @@ pub struct PrepareOptions {
     pub progress: bool,
 }
 
+impl PrepareOptions {
+    /// Options with the default split and shard size, and a progress bar.
+    pub fn new(inputs: Vec<PathBuf>, out: PathBuf, tokenizer: Tokenizer) -> Self {
+        PrepareOptions {
+            inputs,
+            out,
+            tokenizer,
+            val_tokens: DEFAULT_VAL_TOKENS,
+            shard_tokens: DEFAULT_SHARD_TOKENS,
+            progress: true,
+        }
+    }
+}
+
 /// What `data prepare` wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrepareReport {

@@ -77,17 +77,26 @@ impl TokenWidth {
 }
 
 /// A shard's tokens, kept at their stored width.
-#[derive(Debug)]
 enum ShardTokens {
     U16(Vec<u16>),
     U32(Vec<u32>),
 }
 
 /// One checked shard, held in memory.
-#[derive(Debug)]
 pub struct Shard {
     path: PathBuf,
     tokens: ShardTokens,
+}
+
+/// Path, width and length only: a shard can hold a hundred million tokens.
+impl std::fmt::Debug for Shard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shard")
+            .field("path", &self.path)
+            .field("width", &self.width())
+            .field("len", &self.len())
+            .finish()
+    }
 }
 
 impl Shard {

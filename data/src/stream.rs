@@ -139,6 +139,16 @@ pub struct BatchStream {
     order: Vec<usize>,
 }
 
+/// Where the stream stands, not the permutation it holds.
+impl std::fmt::Debug for BatchStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchStream")
+            .field("dir", &self.data.dir())
+            .field("cursor", &self.cursor())
+            .finish()
+    }
+}
+
 impl BatchStream {
     /// The stream of worker `slot` at the start of epoch 0. Fails if the shape or slot is
     /// impossible, or if the training data gives a worker fewer than `micro_batch`

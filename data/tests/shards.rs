@@ -267,3 +267,18 @@ fn write_shard_refuses_tokens_too_wide_for_uint16_and_leaves_no_file() {
         .to_string();
     assert!(message.contains("no-such-dir"), "{message}");
 }
+
+#[test]
+fn debug_output_of_a_dataset_does_not_list_its_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens: Vec<u32> = (0..10_000).map(|i| 1000 + i % 1000).collect();
+    write_shard(
+        &dir.path().join("x_train_000000.bin"),
+        &tokens,
+        TokenWidth::U16,
+    )
+    .unwrap();
+    let data = TokenDataset::open(dir.path(), 50257).unwrap();
+    let shown = format!("{data:?}");
+    assert!(shown.contains("len: 10000") && shown.len() < 500, "{shown}");
+}
