@@ -17,7 +17,7 @@
 use crate::shards::{write_shard, TokenWidth};
 use crate::{DataError, TextTokenizer};
 use gasloc_proto::Tokenizer;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::{ProgressBar, ProgressFinish, ProgressStyle};
 use std::path::{Path, PathBuf};
 
 /// Validation tokens when the caller has no better idea.
@@ -116,18 +116,7 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport, DataError> {
 
     let tokenizer = TextTokenizer::from(opts.tokenizer);
     let input_bytes: u64 = documents.iter().map(|d| d.bytes).sum();
-    let progress = if opts.progress && input_bytes >= PROGRESS_MIN_BYTES {
-        let bar = ProgressBar::new(input_bytes);
-        bar.set_style(
-            ProgressStyle::with_template(
-                "tokenizing {bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
-            )
-            .expect("a fixed, valid template"),
-        );
-        bar
-    } else {
-        ProgressBar::hidden()
-    };
+    let progress = progress_bar(opts.progress, input_bytes);
 
     let mut writer = ShardWriter::new(&partial.path, &name, opts);
     for document in &documents {
@@ -139,7 +128,7 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport, DataError> {
         progress.inc(document.bytes);
     }
     writer.finish()?;
-    progress.finish_and_clear();
+    progress.finish_using_style();
 
     if writer.train_tokens == 0 {
         return Err(DataError::BadInput {
@@ -166,6 +155,21 @@ pub fn prepare(opts: &PrepareOptions) -> Result<PrepareReport, DataError> {
         val_shards: in_out(&writer.val_shards),
         train_shards: in_out(&writer.train_shards),
     })
+}
+
+/// A progress bar over the input bytes, on stderr, when asked for and the input is
+/// large; it clears itself when done or dropped on an error.
+fn progress_bar(wanted: bool, input_bytes: u64) -> ProgressBar {
+    if !wanted || input_bytes < PROGRESS_MIN_BYTES {
+        return ProgressBar::hidden();
+    }
+    let style = ProgressStyle::with_template(
+        "tokenizing {bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} eta {eta}",
+    )
+    .expect("a fixed, valid template");
+    ProgressBar::new(input_bytes)
+        .with_style(style)
+        .with_finish(ProgressFinish::AndClear)
 }
 
 /// One input file.
