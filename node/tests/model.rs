@@ -130,48 +130,77 @@ fn same_seed_same_model_and_losses() {
     assert_eq!(run(), run());
 }
 
-#[test]
-fn transformers_computes_the_same_logits_from_a_saved_checkpoint() {
-    let dir = tempfile::tempdir().unwrap();
-    let (_, manifest) = write_manifest(dir.path(), TINY_RUN);
-    let data = Arc::new(TokenDataset::open(&byte_data(dir.path()), 256).unwrap());
-    let slot = WorkerSlot { index: 0, count: 1 };
-    let mut trainer = Trainer::new(&manifest, Device::Cpu, data, slot).unwrap();
-    for _ in 0..5 {
-        trainer.step().unwrap(); // move the weights away from their init
-    }
-    let root = dir.path().join("ckpt");
-    let step_dir = checkpoint::save(&root, &trainer.checkpoint(), 1).unwrap();
-    // Logits from the checkpoint as saved (not from the live trainer).
-    let ckpt = checkpoint::load(&step_dir, None).unwrap();
-    let (_vs, model) = model_from_checkpoint(&ckpt, &step_dir, Device::Cpu).unwrap();
-    let tokens = Tensor::randint(256, [2, 24], (Kind::Int64, Device::Cpu));
-    let logits = tch::no_grad(|| model.forward(&tokens));
-    let reference = dir.path().join("reference.safetensors");
-    checkpoint::write_tensors(
-        &reference,
-        &[
-            ("tokens".into(), tokens.to_kind(Kind::Float)),
-            ("logits".into(), logits),
-        ],
-    )
-    .unwrap();
+/// Runs `node/tests/python/hf_parity.py` with the `.venv` Python; returns its stdout.
+fn hf_parity(args: &[&std::path::Path], mode: &str) -> String {
     let python = std::env::var("GASLOC_PYTHON")
         .unwrap_or_else(|_| format!("{}/../.venv/bin/python", env!("CARGO_MANIFEST_DIR")));
     let script = format!("{}/tests/python/hf_parity.py", env!("CARGO_MANIFEST_DIR"));
     let out = Command::new(&python)
-        .args([
-            &script,
-            step_dir.to_str().unwrap(),
-            reference.to_str().unwrap(),
-        ])
+        .arg(&script)
+        .arg(mode)
+        .args(args)
         .output()
         .unwrap_or_else(|e| panic!("running {python}: {e} (make setup installs it)"));
-    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "transformers disagrees:\n{stdout}\n{stderr}"
+        "hf_parity.py {mode} failed:\n{stdout}\n{stderr}"
     );
-    assert!(stdout.contains("max_abs_diff="), "{stdout}");
+    stdout
+}
+
+#[test]
+fn checkpoints_and_transformers_agree_in_both_directions() {
+    for tied in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let text = TINY_RUN.replace(
+            "size = \"tiny\"",
+            &format!("size = \"tiny\"\ntie_embeddings = {tied}"),
+        );
+        let (_, manifest) = write_manifest(dir.path(), &text);
+        let data = Arc::new(TokenDataset::open(&byte_data(dir.path()), 256).unwrap());
+        let slot = WorkerSlot { index: 0, count: 1 };
+        let mut trainer = Trainer::new(&manifest, Device::Cpu, data, slot).unwrap();
+        for _ in 0..5 {
+            trainer.step().unwrap(); // move the weights away from their init
+        }
+        let root = dir.path().join("ckpt");
+        let step_dir = checkpoint::save(&root, &trainer.checkpoint(), 1).unwrap();
+
+        // gasloc → transformers: logits of the checkpoint as saved, not of the live trainer.
+        let ckpt = checkpoint::load(&step_dir, None).unwrap();
+        let (_vs, model) = model_from_checkpoint(&ckpt, &step_dir, Device::Cpu).unwrap();
+        let tokens = Tensor::randint(256, [2, 24], (Kind::Int64, Device::Cpu));
+        let logits = tch::no_grad(|| model.forward(&tokens));
+        let reference = dir.path().join("reference.safetensors");
+        checkpoint::write_tensors(
+            &reference,
+            &[
+                ("tokens".into(), tokens.to_kind(Kind::Float)),
+                ("logits".into(), logits),
+            ],
+        )
+        .unwrap();
+        let out = hf_parity(&[&step_dir, &reference], "check");
+        assert!(out.contains("max_abs_diff="), "{out}");
+
+        // transformers → gasloc: a plain HF directory (save_pretrained) loads with the
+        // run manifest and gives transformers' logits.
+        let hf_dir = dir.path().join("hf");
+        hf_parity(&[&step_dir, &hf_dir, &reference], "export");
+        assert!(!hf_dir.join("train_state.json").exists());
+        let hf = checkpoint::load(&hf_dir, Some(&manifest)).unwrap();
+        let (_vs, model) = model_from_checkpoint(&hf, &hf_dir, Device::Cpu).unwrap();
+        let ours = tch::no_grad(|| model.forward(&tokens));
+        let theirs = checkpoint::read_tensors(&hf_dir.join("hf_logits.safetensors"))
+            .unwrap()
+            .remove(0)
+            .1;
+        let diff = max_abs_diff(&ours, &theirs);
+        assert!(
+            diff < 1e-4,
+            "tied={tied}: gasloc differs from transformers by {diff}"
+        );
+    }
 }
