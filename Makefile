@@ -19,7 +19,7 @@ export GASLOC_PYTHON := $(PYTHON)
 
 NODE := target/debug/gasloc-node
 
-.PHONY: help setup venv build demo-data demo test bench clean
+.PHONY: help setup venv chromium build demo-data demo test bench clean
 
 help:
 	@echo "make demo   set up, build, and train on the bundled Shakespeare data"
@@ -27,7 +27,13 @@ help:
 	@echo "make setup  the .venv with torch $(TORCH_VERSION) + transformers, and the demo data"
 	@echo "make bench  the benchmarks in bench/ (see docs/performance.md)"
 
-setup: venv demo-data
+setup: venv chromium demo-data
+
+# Debian's Chromium, for the dashboard test (headless).
+chromium:
+	@command -v chromium >/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
+		else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi; }
 
 venv: $(VENV)/.ready
 

@@ -35,7 +35,7 @@ data=${GASLOC_BENCH_DATA:-datasets/shakespeare-gpt2}
 batch_for() {
   case "$1/$device" in
     16m/cpu) echo "seq_len = 256 micro_batch = 8 grad_accum = 1" ;;
-    125m/cpu) echo "seq_len = 256 micro_batch = 4 grad_accum = 1" ;;
+    125m/cpu) echo "seq_len = 256 micro_batch = 2 grad_accum = 1" ;;
     */cuda*) echo "" ;;
   esac
 }

@@ -37,6 +37,15 @@ enum Command {
     /// Token data tools.
     #[command(subcommand)]
     Data(DataCommand),
+    /// Print a running node's status (its --status-addr) in the terminal.
+    Status(StatusArgs),
+}
+
+#[derive(Args)]
+struct StatusArgs {
+    /// The node's status address, HOST:PORT.
+    #[arg(long)]
+    addr: String,
 }
 
 #[derive(Args)]
@@ -138,6 +147,8 @@ fn main() {
         Command::Train(args) => train(args),
         Command::Eval(args) => eval(args),
         Command::Data(DataCommand::Prepare(args)) => data_prepare(args),
+        Command::Status(args) => gasloc_status::client::fetch_status(&args.addr)
+            .map(|s| print!("{}", gasloc_status::client::format_status(&s))),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

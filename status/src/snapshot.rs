@@ -1,0 +1,153 @@
+//! What a node reports about itself: the `/status` JSON document.
+//!
+//! The node's round loop owns a [`NodeStatus`] and publishes a copy after every change
+//! through a `tokio::sync::watch` channel; the HTTP server, the metrics and the terminal
+//! client only read those copies.
+
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, VecDeque};
+
+/// Rounds kept in [`NodeStatus::history`].
+pub const HISTORY_ROUNDS: usize = 200;
+
+/// Where the node is in its round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum NodeState {
+    #[default]
+    Starting,
+    /// Streaming the current anchor from a live peer (late join).
+    Syncing,
+    /// Running inner steps.
+    Training,
+    /// Commit-reveal of the round's permutation.
+    Agreeing,
+    /// Sending and receiving states with this round's neighbours.
+    Exchanging,
+    /// Waiting for neighbours that have not arrived yet.
+    Waiting,
+    /// Finishing the current exchange and writing a checkpoint before leaving.
+    Stopping,
+    Stopped,
+}
+
+impl NodeState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            NodeState::Starting => "starting",
+            NodeState::Syncing => "syncing",
+            NodeState::Training => "training",
+            NodeState::Agreeing => "agreeing",
+            NodeState::Exchanging => "exchanging",
+            NodeState::Waiting => "waiting",
+            NodeState::Stopping => "stopping",
+            NodeState::Stopped => "stopped",
+        }
+    }
+}
+
+/// One finished round, as the history shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct RoundRecord {
+    pub round: u64,
+    pub neighbours: Vec<String>,
+    /// Inner steps taken this round (H_i).
+    pub inner_steps: u64,
+    pub train_loss: Option<f64>,
+    pub val_loss: Option<f64>,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    /// Seconds spent waiting for neighbours after this node was ready to exchange.
+    pub wait_s: f64,
+    /// Wall-clock seconds of the whole round.
+    pub round_s: f64,
+}
+
+/// The node's state as `/status` serves it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+pub struct NodeStatus {
+    pub peer_id: String,
+    pub run_id: String,
+    pub run_name: String,
+    pub state: NodeState,
+    pub round: u64,
+    /// Inner steps planned for the current round (H_i).
+    pub inner_steps: u64,
+    /// Moving average of one inner step, seconds.
+    pub step_time_s: f64,
+    pub train_loss: Option<f64>,
+    pub val_loss: Option<f64>,
+    /// This round's neighbours (peer ids).
+    pub neighbours: Vec<String>,
+    /// Totals since the node started.
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    /// Measured goodput to each peer, bytes per second (latest transfer).
+    pub goodput: BTreeMap<String, f64>,
+    /// Total seconds spent waiting for neighbours.
+    pub wait_s: f64,
+    /// Peers this node is connected to.
+    pub connected_peers: usize,
+    /// Recent rounds, oldest first, at most [`HISTORY_ROUNDS`].
+    pub history: VecDeque<RoundRecord>,
+}
+
+impl NodeStatus {
+    /// Appends a finished round to the history (dropping the oldest beyond the cap) and
+    /// adds its traffic and waiting to the totals.
+    pub fn record_round(&mut self, record: RoundRecord) {
+        self.bytes_sent += record.bytes_sent;
+        self.bytes_received += record.bytes_received;
+        self.wait_s += record.wait_s;
+        if record.train_loss.is_some() {
+            self.train_loss = record.train_loss;
+        }
+        if record.val_loss.is_some() {
+            self.val_loss = record.val_loss;
+        }
+        self.history.push_back(record);
+        while self.history.len() > HISTORY_ROUNDS {
+            self.history.pop_front();
+        }
+    }
+
+    /// The share of wall-clock time spent waiting over the recorded rounds (0 when none).
+    pub fn idle_share(&self) -> f64 {
+        let total: f64 = self.history.iter().map(|r| r.round_s).sum();
+        let waiting: f64 = self.history.iter().map(|r| r.wait_s).sum();
+        if total > 0.0 {
+            waiting / total
+        } else {
+            0.0
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn history_is_capped_and_totals_add_up() {
+        let mut s = NodeStatus::default();
+        for round in 0..(HISTORY_ROUNDS as u64 + 5) {
+            s.record_round(RoundRecord {
+                round,
+                bytes_sent: 10,
+                bytes_received: 20,
+                wait_s: 0.5,
+                round_s: 2.0,
+                train_loss: Some(3.0),
+                ..Default::default()
+            });
+        }
+        assert_eq!(s.history.len(), HISTORY_ROUNDS);
+        assert_eq!(s.history.front().unwrap().round, 5);
+        assert_eq!(s.bytes_sent, 10 * (HISTORY_ROUNDS as u64 + 5));
+        assert!((s.idle_share() - 0.25).abs() < 1e-12);
+        assert_eq!(s.train_loss, Some(3.0));
+        let json = serde_json::to_string(&s).unwrap();
+        let back: NodeStatus = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, s);
+    }
+}
