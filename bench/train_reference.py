@@ -125,7 +125,10 @@ def main():
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: default)")
     args = ap.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     with open(args.run, "rb") as f:
         run = tomllib.load(f)
     c = resolve(run)

@@ -5,6 +5,7 @@
 # is at least as fast).
 #
 # usage: bench/train_throughput.sh [--device cpu|cuda] [--sizes "16m 125m"] [--steps N] [--rounds R]
+#                                  [--threads T]   (intra-op threads for both; 0 = libtorch default)
 # Needs `make setup` (torch in .venv, Shakespeare GPT-2 shards) and a release build
 # (`cargo build --release -p gasloc-node`). Each round runs reference then gasloc, and the
 # best of the rounds counts for each, so a noisy neighbour penalises both alike.
@@ -15,12 +16,14 @@ device=cpu
 sizes="16m 125m"
 steps=6
 rounds=2
+threads=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --device) device=$2; shift 2 ;;
     --sizes) sizes=$2; shift 2 ;;
     --steps) steps=$2; shift 2 ;;
     --rounds) rounds=$2; shift 2 ;;
+    --threads) threads=$2; shift 2 ;;
     *) echo "unknown flag $1" >&2; exit 2 ;;
   esac
 done
@@ -45,7 +48,7 @@ trap 'rm -rf "$work"' EXIT
 
 best() { sort -g | tail -1; }
 
-printf '%-6s %-6s %14s %14s %7s\n' size device "gasloc tok/s" "torch tok/s" ratio
+printf '%-6s %-6s %7s %14s %14s %7s\n' size device threads "gasloc tok/s" "torch tok/s" ratio
 for size in $sizes; do
   manifest="$work/$size.toml"
   cp "examples/runs/$size.toml" "$manifest"
@@ -59,16 +62,16 @@ for size in $sizes; do
   ours=() theirs=()
   for r in $(seq "$rounds"); do
     theirs+=("$("$python" bench/train_reference.py --run "$manifest" --data "$data" \
-      --steps "$steps" --warmup 1 --device "$device" | sed -n 's/^tokens_per_s=\([0-9.]*\).*/\1/p')")
+      --steps "$steps" --warmup 1 --device "$device" --threads "$threads" | sed -n 's/^tokens_per_s=\([0-9.]*\).*/\1/p')")
     rm -rf "$work/ckpt"
     # One log line per step (same tokens each); the first (warm-up) is dropped, the rest
     # combined as total tokens / total time, as the reference reports.
     ours+=("$("$node" train --run "$manifest" --data "$data" --steps $((steps + 1)) \
-      --log-interval 1 --device "$device" --checkpoint-dir "$work/ckpt" 2>/dev/null |
+      --log-interval 1 --device "$device" --threads "$threads" --checkpoint-dir "$work/ckpt" 2>/dev/null |
       sed -n 's/.* tokens_per_s=\([0-9.]*\).*/\1/p' | tail -n +2 |
       awk '{ s += 1 / $1; n++ } END { printf "%.1f", n / s }')")
   done
   g=$(printf '%s\n' "${ours[@]}" | best)
   t=$(printf '%s\n' "${theirs[@]}" | best)
-  printf '%-6s %-6s %14.1f %14.1f %7.3f\n' "$size" "$device" "$g" "$t" "$(awk "BEGIN { print $g / $t }")"
+  printf '%-6s %-6s %7s %14.1f %14.1f %7.3f\n' "$size" "$device" "$threads" "$g" "$t" "$(awk "BEGIN { print $g / $t }")"
 done

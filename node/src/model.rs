@@ -51,6 +51,16 @@ impl Llama {
     /// embeddings are N(0, init_std²), the two residual projections (o_proj, down_proj)
     /// N(0, init_std² / (2·n_layers)), norm gains 1.
     pub fn new(vs: &nn::Path, config: &ModelConfig) -> Llama {
+        let compute = match (vs.device(), config.cuda_compute) {
+            (Device::Cuda(_), CudaCompute::Bf16) => Kind::BFloat16,
+            _ => Kind::Float,
+        };
+        Llama::with_compute(vs, config, compute)
+    }
+
+    /// As [`Llama::new`] with an explicit matmul type (`Float` or `BFloat16`), whatever
+    /// the device: lets the CPU test the bf16 path that CUDA runs.
+    pub fn with_compute(vs: &nn::Path, config: &ModelConfig, compute: Kind) -> Llama {
         let c = config;
         let d = c.d_model as i64;
         let kv = (c.n_kv_heads * c.head_dim()) as i64;
@@ -91,10 +101,6 @@ impl Llama {
         let norm = (&model / "norm").var("weight", &[d], Init::Const(1.0));
         let lm_head = (!c.tie_embeddings)
             .then(|| (vs / "lm_head").var("weight", &[c.vocab_size as i64, d], normal));
-        let compute = match (vs.device(), c.cuda_compute) {
-            (Device::Cuda(_), CudaCompute::Bf16) => Kind::BFloat16,
-            _ => Kind::Float,
-        };
         let (rope_cos, rope_sin) = rope_tables(c, vs.device());
         Llama {
             config: c.clone(),

@@ -204,3 +204,31 @@ fn checkpoints_and_transformers_agree_in_both_directions() {
         );
     }
 }
+
+#[test]
+fn bf16_compute_tracks_fp32_and_trains_fp32_master_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, manifest) = write_manifest(dir.path(), TINY_RUN);
+    tch::manual_seed(3);
+    let vs32 = nn::VarStore::new(Device::Cpu);
+    let fp32 = Llama::new(&vs32.root(), &manifest.model);
+    let mut vs16 = nn::VarStore::new(Device::Cpu);
+    let bf16 = Llama::with_compute(&vs16.root(), &manifest.model, Kind::BFloat16);
+    vs16.copy(&vs32).unwrap();
+    let tokens = Tensor::randint(256, [2, 16], (Kind::Int64, Device::Cpu));
+    let targets = Tensor::randint(256, [2, 16], (Kind::Int64, Device::Cpu));
+    let l32 = fp32.loss(&tokens, &targets).double_value(&[]);
+    let loss16 = bf16.loss(&tokens, &targets);
+    assert_eq!(loss16.kind(), Kind::Float, "the loss is computed in fp32");
+    let l16 = loss16.double_value(&[]);
+    assert!(
+        (l32 - l16).abs() < 0.02 * l32,
+        "fp32 loss {l32} vs bf16 loss {l16}"
+    );
+    loss16.backward();
+    for (name, p) in named_parameters(&vs16) {
+        let g = p.grad();
+        assert!(g.defined(), "{name} got no gradient through the bf16 casts");
+        assert_eq!((p.kind(), g.kind()), (Kind::Float, Kind::Float), "{name}");
+    }
+}
