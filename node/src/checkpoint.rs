@@ -411,13 +411,16 @@ fn sync_dir(dir: &Path) -> Result<()> {
         .with_context(|| format!("syncing directory {}", dir.display()))
 }
 
-/// Removes all but the newest `keep` step directories, and stale temporary ones.
+/// Removes all but the newest `keep` step directories, and temporary directories that a
+/// crashed writer left behind (ours was renamed already).
 fn prune(root: &Path, keep: usize) -> Result<()> {
     let mut steps = Vec::new();
     for entry in fs::read_dir(root)? {
         let name = entry?.file_name().to_string_lossy().into_owned();
         if name.starts_with("step_") {
             steps.push(name);
+        } else if name.starts_with(".tmp-step_") {
+            let _ = fs::remove_dir_all(root.join(&name));
         }
     }
     steps.sort();

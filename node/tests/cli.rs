@@ -272,7 +272,15 @@ fn a_write_failure_keeps_the_previous_checkpoint_whole() {
     );
     let after = std::fs::read(ckpt.join("step_00000002/model.safetensors")).unwrap();
     assert!(before == after, "the previous checkpoint changed");
-    // And it still resumes.
+    // And it still resumes; the next save also clears what a killed writer left behind.
+    let crashed = ckpt.join(".tmp-step_00000003-999999");
+    std::fs::create_dir_all(&crashed).unwrap();
+    std::fs::write(crashed.join("model.safetensors"), b"half").unwrap();
     let again = train(&run_toml, &data, &ckpt, 1, &["--resume"]);
     assert!(again.status.success(), "{}", stderr(&again));
+    assert!(!crashed.exists());
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("latest")).unwrap(),
+        "step_00000003"
+    );
 }
