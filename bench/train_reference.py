@@ -2,8 +2,9 @@
 
 The same Llama-3-style model, AdamW and batch as gasloc's trainer (node/src/model.rs,
 node/src/optim.rs), written the plain PyTorch way, on the same libtorch (.venv torch), the
-same run manifest and the same token shards. Prints one `tokens_per_s=` line: the mean over
-the timed steps (the first `--warmup` steps are not timed).
+same run manifest and the same token shards. Prints one line: `tokens_per_s` (wall clock) and
+`tokens_per_cpu_s` (process CPU time, all threads) over the timed steps (the first `--warmup`
+steps are not timed).
 
 usage: train_reference.py --run RUN.toml --data DIR --steps N [--warmup W] [--device cpu]
 """
@@ -148,9 +149,9 @@ def main():
     window = seq + 1
     n_windows = len(tokens) // window
     cursor = 0
-    timed_tokens, timed_secs = 0, 0.0
+    timed_tokens, timed_secs, timed_cpu = 0, 0.0, 0.0
     for step in range(args.steps + args.warmup):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for _ in range(accum):
             idx = [(cursor + r) % n_windows for r in range(rows)]
             cursor += rows
@@ -163,12 +164,16 @@ def main():
         loss_value = loss.item() * accum
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
-        secs = time.perf_counter() - start
+        secs, cpu = time.perf_counter() - start, time.process_time() - start_cpu
         if step >= args.warmup:
             timed_tokens += rows * seq * accum
             timed_secs += secs
+            timed_cpu += cpu
     assert math.isfinite(loss_value)
-    print(f"tokens_per_s={timed_tokens / timed_secs:.1f} threads={torch.get_num_threads()}")
+    print(
+        f"tokens_per_s={timed_tokens / timed_secs:.1f} "
+        f"tokens_per_cpu_s={timed_tokens / timed_cpu:.1f} threads={torch.get_num_threads()}"
+    )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,13 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 best() { sort -g | tail -1; }
+# The value of KEY=… in each input line.
+field() { sed -n "s/.*\b$1=\([0-9.]*\).*/\1/p"; }
+# Per-step rates with equal tokens per step → total tokens / total time.
+harmonic() { awk '{ s += 1 / $1; n++ } END { printf "%.1f", n / s }'; }
 
-printf '%-6s %-6s %7s %14s %14s %7s\n' size device threads "gasloc tok/s" "torch tok/s" ratio
+printf '%-6s %-6s %7s | %12s %12s %6s | %12s %12s %6s\n' size device threads \
+  "gasloc tok/s" "torch tok/s" ratio "gasloc tok/cpu-s" "torch tok/cpu-s" ratio
 for size in $sizes; do
   manifest="$work/$size.toml"
   cp "examples/runs/$size.toml" "$manifest"
@@ -59,19 +64,24 @@ for size in $sizes; do
     sed -i "s/^$key = .*/$key = $value/" "$manifest"
     i=$((i + 3))
   done
-  ours=() theirs=()
+  ours=() ours_cpu=() theirs=() theirs_cpu=()
   for r in $(seq "$rounds"); do
-    theirs+=("$("$python" bench/train_reference.py --run "$manifest" --data "$data" \
-      --steps "$steps" --warmup 1 --device "$device" --threads "$threads" | sed -n 's/^tokens_per_s=\([0-9.]*\).*/\1/p')")
+    line=$("$python" bench/train_reference.py --run "$manifest" --data "$data" \
+      --steps "$steps" --warmup 1 --device "$device" --threads "$threads")
+    theirs+=("$(field tokens_per_s <<<"$line")")
+    theirs_cpu+=("$(field tokens_per_cpu_s <<<"$line")")
     rm -rf "$work/ckpt"
     # One log line per step (same tokens each); the first (warm-up) is dropped, the rest
     # combined as total tokens / total time, as the reference reports.
-    ours+=("$("$node" train --run "$manifest" --data "$data" --steps $((steps + 1)) \
+    log=$("$node" train --run "$manifest" --data "$data" --steps $((steps + 1)) \
       --log-interval 1 --device "$device" --threads "$threads" --checkpoint-dir "$work/ckpt" 2>/dev/null |
-      sed -n 's/.* tokens_per_s=\([0-9.]*\).*/\1/p' | tail -n +2 |
-      awk '{ s += 1 / $1; n++ } END { printf "%.1f", n / s }')")
+      grep ' loss=' | tail -n +2)
+    ours+=("$(field tokens_per_s <<<"$log" | harmonic)")
+    ours_cpu+=("$(field tokens_per_cpu_s <<<"$log" | harmonic)")
   done
-  g=$(printf '%s\n' "${ours[@]}" | best)
-  t=$(printf '%s\n' "${theirs[@]}" | best)
-  printf '%-6s %-6s %7s %14.1f %14.1f %7.3f\n' "$size" "$device" "$threads" "$g" "$t" "$(awk "BEGIN { print $g / $t }")"
+  g=$(printf '%s\n' "${ours[@]}" | best) t=$(printf '%s\n' "${theirs[@]}" | best)
+  gc=$(printf '%s\n' "${ours_cpu[@]}" | best) tc=$(printf '%s\n' "${theirs_cpu[@]}" | best)
+  printf '%-6s %-6s %7s | %12.1f %12.1f %6.3f | %12.1f %12.1f %6.3f\n' "$size" "$device" "$threads" \
+    "$g" "$t" "$(awk "BEGIN { print $g / $t }")" "$gc" "$tc" "$(awk "BEGIN { print $gc / $tc }")"
+  echo "  all rounds: gasloc ${ours[*]} | torch ${theirs[*]} (tok/s); gasloc ${ours_cpu[*]} | torch ${theirs_cpu[*]} (tok/cpu-s)"
 done

@@ -156,6 +156,21 @@ fn main() {
     }
 }
 
+/// CPU seconds (user + system, all threads) this process has used: unlike wall-clock
+/// time it does not grow when other processes compete for the cores.
+fn process_cpu_seconds() -> f64 {
+    let mut usage = std::mem::MaybeUninit::<libc::rusage>::zeroed();
+    // SAFETY: getrusage writes a complete rusage into the buffer we own.
+    let usage = unsafe {
+        if libc::getrusage(libc::RUSAGE_SELF, usage.as_mut_ptr()) != 0 {
+            return 0.0;
+        }
+        usage.assume_init()
+    };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
+}
+
 fn set_threads(threads: i32) {
     if threads > 0 {
         tch::set_num_threads(threads);
@@ -238,6 +253,7 @@ fn train(args: TrainArgs) -> Result<()> {
     let mut window_steps = 0u64;
     let mut window_tokens = 0usize;
     let mut window_start = Instant::now();
+    let mut window_cpu = process_cpu_seconds();
     for i in 1..=args.steps {
         let report = trainer.step()?;
         window_loss += report.loss;
@@ -245,14 +261,17 @@ fn train(args: TrainArgs) -> Result<()> {
         window_tokens += report.tokens;
         if i % args.log_interval == 0 || i == args.steps {
             let secs = window_start.elapsed().as_secs_f64().max(1e-9);
+            let cpu = (process_cpu_seconds() - window_cpu).max(1e-9);
             println!(
-                "step={} loss={:.4} lr={:.3e} grad_norm={:.3} tokens_per_s={:.0}",
+                "step={} loss={:.4} lr={:.3e} grad_norm={:.3} tokens_per_s={:.0} tokens_per_cpu_s={:.0}",
                 report.step,
                 window_loss / window_steps as f64,
                 report.lr,
                 report.grad_norm,
-                window_tokens as f64 / secs
+                window_tokens as f64 / secs,
+                window_tokens as f64 / cpu
             );
+            window_cpu = process_cpu_seconds();
             (window_loss, window_steps, window_tokens) = (0.0, 0, 0);
             window_start = Instant::now();
         }
