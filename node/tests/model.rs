@@ -141,7 +141,7 @@ fn transformers_computes_the_same_logits_from_a_saved_checkpoint() {
         trainer.step().unwrap(); // move the weights away from their init
     }
     let root = dir.path().join("ckpt");
-    let step_dir = checkpoint::save(&root, &trainer.checkpoint(), 1).unwrap();
+    let step_dir = checkpoint::save(&root, &trainer.checkpoint().unwrap(), 1).unwrap();
     // Logits from the checkpoint as saved (not from the live trainer).
     let ckpt = checkpoint::load(&step_dir, None).unwrap();
     let (_vs, model) = model_from_checkpoint(&ckpt, &step_dir, Device::Cpu).unwrap();

@@ -262,8 +262,8 @@ mod tests {
                         let col: f64 = w.iter().map(|r| r[i]).sum();
                         assert!((row - 1.0).abs() < 1e-12, "{topology:?} n={n} row {i}");
                         assert!((col - 1.0).abs() < 1e-12, "{topology:?} n={n} col {i}");
-                        for j in 0..n {
-                            assert_eq!(w[i][j], w[j][i], "{topology:?} n={n}");
+                        for (j, other) in w.iter().enumerate() {
+                            assert_eq!(w[i][j], other[i], "{topology:?} n={n}");
                         }
                     }
                 }
