@@ -49,10 +49,14 @@ exp2() { # H = 1: GASLoC vs DAdam on four topologies
     sim "e2-gasloc-$t" "$r1" "$r1" "topology = \"$t\"\ninner_steps = 1" '' --eval-every 25
     sim "e2-dadam-$t" "$r1" "$r1" "algorithm = \"dadam\"\ntopology = \"$t\"" '' --eval-every 25
   done
+  # the same long-run outer step η/(1−μ) = 1 as DAdam
+  sim e2-gasloc-one-peer-eta0.1 "$r1" "$r1" 'topology = "one-peer"\ninner_steps = 1\nlr = 0.1\nmomentum = 0.9' '' --eval-every 25
 }
 
 exp3() { # outer momentum as gossip acceleration: consensus per round, one-peer, H = 30 (μ = 0.9 is e1-gasloc-one-peer)
   sim e3-one-peer-mu0 "$r30" "$d30" 'topology = "one-peer"\ninner_steps = 30\nmomentum = 0.0' ''
+  # the same long-run step size η/(1−μ) = 0.7 as μ = 0
+  sim e3-one-peer-mu0.9-eta0.07 "$r30" "$d30" 'topology = "one-peer"\ninner_steps = 30\nmomentum = 0.9\nlr = 0.07' ''
 }
 
 exp4() { # LoRDO: global projection (all-reduce) without / with the full-rank QH term, ranks d/32, d/8, d/4
