@@ -144,23 +144,6 @@ impl Lordo {
         &self.projected
     }
 
-    /// Optimizer-state elements kept (moments, bases and error buffers), for the memory
-    /// comparison with AdamW's `2 × parameters`.
-    pub fn state_elements(&self) -> i64 {
-        let low: i64 = self
-            .projected
-            .iter()
-            .map(|s| 2 * s.exp_avg.numel() as i64 + s.basis.numel() as i64 + s.error.numel() as i64)
-            .sum();
-        let full: i64 = self
-            .full_rank
-            .params()
-            .iter()
-            .map(|p| 2 * p.param.numel() as i64)
-            .sum();
-        low + full
-    }
-
     /// One LoRDO step at learning rate `lr`.
     pub fn step(&mut self, lr: f64) {
         let _guard = tch::no_grad_guard();

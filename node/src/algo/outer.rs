@@ -108,10 +108,6 @@ impl OuterOptimizer {
         }
     }
 
-    pub fn buffers(&self) -> &[Tensor] {
-        &self.buffers
-    }
-
     /// Applies one outer step to `anchor` in place.
     pub fn step(&mut self, anchor: &mut [Tensor], delta: &[Tensor]) {
         let _guard = tch::no_grad_guard();
