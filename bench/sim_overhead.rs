@@ -3,6 +3,8 @@
 //! neighbour slows both alike. Prints both figures and their ratio (goal ≤ 1.1).
 //!
 //! usage: cargo bench -p gasloc-node --bench sim_overhead -- RUN.toml DATA_DIR [WORKERS] [ROUNDS]
+//! (cargo runs it from `node/`: give absolute paths, e.g. `$PWD/examples/runs/sim-tiny.toml`;
+//! `cargo test --bench sim_overhead -- …` runs it in the dev profile.)
 //! (H comes from the manifest's [outer] inner_steps.)
 
 use anyhow::{bail, Context, Result};

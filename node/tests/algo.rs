@@ -254,3 +254,17 @@ fn payload_error_feedback_sends_the_whole_pseudo_gradient_over_rounds() {
         }
     }
 }
+
+#[test]
+fn a_missing_neighbour_leaves_a_stochastic_mix_of_the_rest() {
+    let m = manifest("algorithm = \"local-dadam\"", "");
+    let xs = models(4, 60);
+    let row = Topology::TwoPeer.mixing(&[0, 1, 2, 3])[1].without(&[2]);
+    let mut theta = models(1, 70).remove(0);
+    let delta = mixed_pseudo_gradient(&row, &theta, |j| &xs[j]);
+    OuterOptimizer::new(&m.outer, &theta).step(&mut theta, &delta);
+    for (p, t) in theta.iter().enumerate() {
+        let expected = (&xs[0][p] + &xs[1][p] * 2.0) / 3.0;
+        assert!(max_abs_diff(t, &expected) < 1e-5);
+    }
+}
