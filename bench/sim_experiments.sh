@@ -67,9 +67,11 @@ exp4() { # LoRDO: global projection (all-reduce) without / with the full-rank QH
         "rank = $r\nomega = $w\nfull_sync_every = 1000000"
     done
   done
-  sim e4-lordo-gossip-two-peer-r8 "$r30" "$d30" \
-    'topology = "two-peer"\ninner_steps = 30\ninner_optimizer = "lordo"\npayload = "lordo"' \
-    'rank = 8\nomega = 0.97\nfull_sync_every = 4'
+  for w in 1.0 0.97; do
+    sim "e4-lordo-gossip-two-peer-r8-omega$w" "$r30" "$d30" \
+      'topology = "two-peer"\ninner_steps = 30\ninner_optimizer = "lordo"\npayload = "lordo"' \
+      "rank = 8\nomega = $w\nfull_sync_every = 4"
+  done
   sim e4-gasloc-two-peer-bf16 "$r30" "$d30" 'topology = "two-peer"\ninner_steps = 30\npayload = "model-bf16"' ''
 }
 

@@ -349,8 +349,8 @@ pub struct LordoConfig {
     /// ω: weight of the low-rank Adam term; `1 − ω` goes to the full-rank term. 1 = none.
     #[serde(default = "default_lordo_omega")]
     pub omega: f64,
-    /// With `payload = "lordo"`: every K-th round exchanges the full model (bf16) so the
-    /// anchors re-mix.
+    /// With `payload = "lordo"`: every K-th round the anchors are also sent (bf16) and mixed,
+    /// so the workers stay in consensus.
     #[serde(default = "default_full_sync_every")]
     pub full_sync_every: u64,
 }

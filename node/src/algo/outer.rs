@@ -38,22 +38,20 @@ pub fn mixed_pseudo_gradient<'a>(
         .collect()
 }
 
-/// `(Σ_j count_j·d_j) / denominator` over pseudo-gradients `d_j` that workers sent
-/// themselves (the LoRDO payload, where anchors differ between workers).
-pub fn mixed_sent_pseudo_gradients<'a>(
-    row: &MixingRow,
-    sent: impl Fn(usize) -> &'a [Tensor],
-    tensors: usize,
-) -> Vec<Tensor> {
+/// `(Σ_j count_j·t_j) / denominator`, tensor by tensor: the row's weighted mean of what the
+/// workers sent — pseudo-gradients (the LoRDO payload, where anchors differ between workers)
+/// or anchors (its full-sync rounds).
+pub fn weighted_mix<'a>(row: &MixingRow, sent: impl Fn(usize) -> &'a [Tensor]) -> Vec<Tensor> {
     let _guard = tch::no_grad_guard();
-    (0..tensors)
+    let own = sent(row.worker);
+    (0..own.len())
         .map(|p| {
             let terms = row.terms.iter().map(|&(j, count)| {
-                let d = sent(j)[p].copy();
+                let x = sent(j)[p].copy();
                 if count == 1 {
-                    d
+                    x
                 } else {
-                    d * count as f64
+                    x * count as f64
                 }
             });
             sum_then_divide(terms, row.denominator)

@@ -16,8 +16,7 @@ pub mod clock;
 pub mod report;
 
 use crate::algo::outer::{
-    all_reduce_mean, consensus_distance, mixed_pseudo_gradient, mixed_sent_pseudo_gradients,
-    OuterOptimizer,
+    all_reduce_mean, consensus_distance, mixed_pseudo_gradient, weighted_mix, OuterOptimizer,
 };
 use crate::algo::payload::{encode_lordo, model_bytes, through_bf16};
 use crate::optim::InnerOptimizer;
@@ -330,12 +329,16 @@ impl Simulation {
             .iter()
             .map(|w| w.trainer.parameters())
             .collect();
-        let (deltas, payload_bytes): (Vec<Vec<Tensor>>, Vec<u64>) =
-            if o.payload == Payload::Lordo && !full_sync {
-                self.lordo_exchange(&rows, &models)?
-            } else {
-                self.model_exchange(&rows, &models, o.payload)
-            };
+        let (deltas, payload_bytes): (Vec<Vec<Tensor>>, Vec<u64>) = if o.payload == Payload::Lordo {
+            let (deltas, mut bytes) = self.lordo_exchange(&rows, &models)?;
+            if full_sync && o.algorithm != Algorithm::Diloco {
+                let anchor_bytes = self.mix_anchors(&rows);
+                bytes.iter_mut().for_each(|b| *b += anchor_bytes);
+            }
+            (deltas, bytes)
+        } else {
+            self.model_exchange(&rows, &models, o.payload)
+        };
         match o.algorithm {
             Algorithm::Diloco => {
                 let (first, rest) = self.workers.split_at_mut(1);
@@ -468,20 +471,30 @@ impl Simulation {
                 lordo.projected(),
             ));
         }
-        let tensors = self.names.len();
         let deltas = if self.manifest.outer.algorithm == Algorithm::Diloco {
             let everyone = MixingRow::uniform(0, &(1..models.len()).collect::<Vec<_>>());
-            vec![mixed_sent_pseudo_gradients(
-                &everyone,
-                |j| &sent[j].decoded,
-                tensors,
-            )]
+            vec![weighted_mix(&everyone, |j| &sent[j].decoded)]
         } else {
             rows.iter()
-                .map(|row| mixed_sent_pseudo_gradients(row, |j| &sent[j].decoded, tensors))
+                .map(|row| weighted_mix(row, |j| &sent[j].decoded))
                 .collect()
         };
         Ok((deltas, sent.iter().map(|s| s.bytes).collect()))
+    }
+
+    /// A LoRDO full-sync round: the anchors themselves mix, in bf16, outside the outer
+    /// momentum (`θ_i ← Σ_j w_ij θ_j`); returns the bytes of one anchor payload.
+    fn mix_anchors(&mut self, rows: &[MixingRow]) -> u64 {
+        let anchors: Vec<Vec<Tensor>> = self.workers.iter().map(|w| copies(&w.anchor)).collect();
+        let received: Vec<Vec<Tensor>> = anchors
+            .iter()
+            .map(|a| a.iter().map(through_bf16).collect())
+            .collect();
+        for (w, row) in self.workers.iter_mut().zip(rows) {
+            let i = row.worker;
+            w.anchor = weighted_mix(row, |j| if j == i { &anchors[i] } else { &received[j] });
+        }
+        model_bytes(&anchors[0], 2)
     }
 
     /// Synchronous data parallel: one step, gradients averaged over all workers.
