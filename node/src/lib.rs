@@ -1,5 +1,7 @@
 //! gasloc-node's library: everything the `gasloc-node` binary runs.
 //!
+//! * [`algo`]: the round math (mixing, outer step, LoRDO, payloads);
+//! * [`sim`]: N workers in one process, per-round records, summary and plot;
 //! * [`model`]: the Llama-3-style decoder, whole, in one file;
 //! * [`optim`]: AdamW, the learning-rate schedule and gradient clipping;
 //! * [`trainer`]: one model + optimizer + data stream, stepping and evaluating;
@@ -9,8 +11,10 @@
 //! Token data lives in the torch-free `gasloc-data` crate, the run manifest in
 //! `gasloc-proto`.
 
+pub mod algo;
 pub mod checkpoint;
 pub mod device;
 pub mod model;
 pub mod optim;
+pub mod sim;
 pub mod trainer;

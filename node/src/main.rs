@@ -10,6 +10,8 @@ use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::{validation_batches, WorkerSlot};
 use gasloc_node::checkpoint;
 use gasloc_node::device::{device_name, parse_device};
+use gasloc_node::sim::report::{self, Summary};
+use gasloc_node::sim::{SimOptions, Simulation};
 use gasloc_node::trainer::{self, Trainer};
 use gasloc_proto::{RunManifest, Tokenizer};
 use std::path::PathBuf;
@@ -34,6 +36,8 @@ enum Command {
     Train(TrainArgs),
     /// Print the validation loss of a checkpoint.
     Eval(EvalArgs),
+    /// Simulate N workers of the run's algorithm in this process.
+    Sim(SimArgs),
     /// Token data tools.
     #[command(subcommand)]
     Data(DataCommand),
@@ -110,6 +114,44 @@ struct EvalArgs {
     threads: i32,
 }
 
+#[derive(Args)]
+struct SimArgs {
+    /// The run manifest (TOML); its [outer] section picks the algorithm.
+    #[arg(long)]
+    run: PathBuf,
+    /// Directory of llm.c token shards (with a validation shard).
+    #[arg(long)]
+    data: PathBuf,
+    #[arg(long)]
+    workers: usize,
+    #[arg(long)]
+    rounds: u64,
+    /// Where rounds.csv, workers.csv, rounds.json, summary.md and loss.svg go.
+    #[arg(long)]
+    out: PathBuf,
+    /// WORKER:FRACTION: that worker's link runs at FRACTION of the standard bandwidth.
+    #[arg(long = "straggler")]
+    stragglers: Vec<gasloc_node::sim::clock::Straggler>,
+    /// The standard link bandwidth in Mbit/s.
+    #[arg(long, default_value_t = 100.0)]
+    bandwidth_mbps: f64,
+    #[arg(long, default_value_t = 10.0)]
+    latency_ms: f64,
+    /// A fixed simulated inner-step time (ms) instead of the measured one: makes the
+    /// simulated clock and adaptive H_i reproducible.
+    #[arg(long)]
+    step_time_ms: Option<f64>,
+    /// Rounds between validation losses.
+    #[arg(long, default_value_t = 1)]
+    eval_every: u64,
+    /// Report the simulated time to reach this validation loss.
+    #[arg(long)]
+    target_loss: Option<f64>,
+    /// libtorch intra-op threads (0: libtorch's default).
+    #[arg(long, default_value_t = 1)]
+    threads: i32,
+}
+
 #[derive(Subcommand)]
 enum DataCommand {
     /// Tokenize text files into llm.c shards.
@@ -146,6 +188,7 @@ fn main() {
     let result = match cli.command {
         Command::Train(args) => train(args),
         Command::Eval(args) => eval(args),
+        Command::Sim(args) => sim(args),
         Command::Data(DataCommand::Prepare(args)) => data_prepare(args),
         Command::Status(args) => gasloc_status::client::fetch_status(&args.addr)
             .map(|s| print!("{}", gasloc_status::client::format_status(&s))),
@@ -286,7 +329,7 @@ fn train(args: TrainArgs) -> Result<()> {
         if args.checkpoint_every > 0 && i % args.checkpoint_every == 0 && !last {
             checkpoint::save(
                 &args.checkpoint_dir,
-                &trainer.checkpoint(),
+                &trainer.checkpoint()?,
                 args.keep_checkpoints,
             )?;
         }
@@ -297,7 +340,7 @@ fn train(args: TrainArgs) -> Result<()> {
     }
     let dir = checkpoint::save(
         &args.checkpoint_dir,
-        &trainer.checkpoint(),
+        &trainer.checkpoint()?,
         args.keep_checkpoints,
     )?;
     println!("step={} checkpoint={}", trainer.step_count(), dir.display());
@@ -326,6 +369,64 @@ fn eval(args: EvalArgs) -> Result<()> {
     let (_vs, model) = trainer::model_from_checkpoint(&ckpt, &dir, device)?;
     let loss = trainer::evaluate(&model, device, &val);
     println!("val_loss={loss:.6}");
+    Ok(())
+}
+
+fn sim(args: SimArgs) -> Result<()> {
+    let manifest = RunManifest::load(&args.run)?;
+    set_threads(args.threads);
+    let options = SimOptions {
+        workers: args.workers,
+        rounds: args.rounds,
+        stragglers: args.stragglers,
+        bandwidth_mbps: args.bandwidth_mbps,
+        latency_ms: args.latency_ms,
+        step_time_ms: args.step_time_ms,
+        eval_every: args.eval_every,
+    };
+    options.validate()?;
+    let data = Arc::new(TokenDataset::open(
+        &args.data,
+        manifest.data.tokenizer.vocab_size(),
+    )?);
+    let mut simulation = Simulation::new(&manifest, data, options.clone())?;
+    println!(
+        "run_id={} algorithm={} topology={} workers={} model_params={}",
+        manifest.run_id(),
+        manifest.outer.algorithm.name(),
+        manifest.outer.topology.name(),
+        options.workers,
+        simulation.parameter_count()
+    );
+    let mut records = Vec::with_capacity(options.rounds as usize);
+    for _ in 0..options.rounds {
+        let r = simulation.run_round()?;
+        println!(
+            "round={} sim_time_s={:.3} train_loss={:.4} val_loss={} consensus={:.3e} mean_h={:.1}",
+            r.round,
+            r.sim_time_s,
+            r.mean_train_loss(),
+            r.val_loss.map_or("-".into(), |v| format!("{v:.4}")),
+            r.consensus,
+            r.mean_inner_steps()
+        );
+        records.push(r);
+    }
+    let summary = Summary::new(
+        &manifest,
+        &options,
+        &records,
+        simulation.parameter_count(),
+        args.target_loss,
+    );
+    report::write_all(&args.out, &manifest, &options, &records, &summary)?;
+    println!(
+        "final_val_loss={:.4} sim_time_s={:.2} bytes_per_worker_round={:.0} out={}",
+        summary.final_val_loss,
+        summary.sim_time_s,
+        summary.bytes_per_worker_round,
+        args.out.display()
+    );
     Ok(())
 }
 

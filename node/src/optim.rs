@@ -1,10 +1,14 @@
 //! The inner optimizer: AdamW with decoupled weight decay, the learning-rate schedule
-//! (linear warm-up, cosine decay to a floor) and global gradient-norm clipping.
+//! (linear warm-up, cosine decay to a floor) and global gradient-norm clipping; and
+//! [`InnerOptimizer`], the run manifest's choice between AdamW and LoRDO
+//! ([`crate::algo::lordo`]).
 //!
-//! The update is PyTorch's single-tensor `torch.optim.AdamW`, step for step, so a run here
-//! and the PyTorch reference in `bench/` do the same arithmetic.
+//! The AdamW update is PyTorch's single-tensor `torch.optim.AdamW`, step for step, so a run
+//! here and the PyTorch reference in `bench/` do the same arithmetic.
 
-use gasloc_proto::manifest::OptimizerConfig;
+use crate::algo::lordo::Lordo;
+use gasloc_proto::manifest::{InnerOptimizerKind, OptimizerConfig};
+use gasloc_proto::RunManifest;
 use std::f64::consts::PI;
 use tch::Tensor;
 
@@ -102,40 +106,12 @@ impl AdamW {
         }
     }
 
-    /// Scales all gradients so their global L2 norm is at most `max_norm` (as PyTorch's
-    /// `clip_grad_norm_`), returning the norm before clipping. `max_norm = 0` only measures.
-    pub fn clip_grad_norm(&mut self, max_norm: f64) -> f64 {
-        let _guard = tch::no_grad_guard();
-        let grads: Vec<Tensor> = self.params.iter().map(|p| p.param.grad()).collect();
-        let squares: Vec<Tensor> = grads
-            .iter()
-            .filter(|g| g.defined())
-            .map(|g| g.square().sum(tch::Kind::Float))
-            .collect();
-        if squares.is_empty() {
-            return 0.0;
-        }
-        let total = Tensor::stack(&squares, 0).sum(tch::Kind::Float).sqrt();
-        let norm = total.double_value(&[]);
-        if max_norm > 0.0 {
-            let coef = (max_norm / (norm + 1e-6)).min(1.0);
-            if coef < 1.0 {
-                for mut g in grads.into_iter().filter(|g| g.defined()) {
-                    g *= coef;
-                }
-            }
-        }
-        norm
-    }
-
     /// One AdamW step at learning rate `lr`.
     pub fn step(&mut self, lr: f64) {
         let _guard = tch::no_grad_guard();
         let c = &self.config;
         self.steps += 1;
-        let t = self.steps as i32;
-        let bias1 = 1.0 - c.beta1.powi(t);
-        let bias2_sqrt = (1.0 - c.beta2.powi(t)).sqrt();
+        let (bias1, bias2_sqrt) = bias_corrections(c, self.steps);
         for p in &mut self.params {
             let grad = p.param.grad();
             if !grad.defined() {
@@ -144,11 +120,105 @@ impl AdamW {
             if p.decay && c.weight_decay > 0.0 {
                 p.param *= 1.0 - lr * c.weight_decay;
             }
-            let _ = p.exp_avg.lerp_(&grad, 1.0 - c.beta1);
-            p.exp_avg_sq *= c.beta2;
-            let _ = p.exp_avg_sq.addcmul_(&grad, &(&grad * (1.0 - c.beta2)));
-            let denom = (p.exp_avg_sq.sqrt() / bias2_sqrt) + c.eps;
+            let denom = update_moments(&mut p.exp_avg, &mut p.exp_avg_sq, &grad, c, bias2_sqrt);
             let _ = p.param.addcdiv_(&(&p.exp_avg * (-lr / bias1)), &denom);
+        }
+    }
+}
+
+/// Adam's bias corrections after `steps` steps: `(1 − β1^t, √(1 − β2^t))`.
+pub fn bias_corrections(c: &OptimizerConfig, steps: u64) -> (f64, f64) {
+    let t = steps as i32;
+    (1.0 - c.beta1.powi(t), (1.0 - c.beta2.powi(t)).sqrt())
+}
+
+/// Adam's moment update with `grad` (`m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`),
+/// returning the step's denominator `√v / √(1 − β2^t) + ε`.
+pub fn update_moments(
+    exp_avg: &mut Tensor,
+    exp_avg_sq: &mut Tensor,
+    grad: &Tensor,
+    c: &OptimizerConfig,
+    bias2_sqrt: f64,
+) -> Tensor {
+    let _ = exp_avg.lerp_(grad, 1.0 - c.beta1);
+    *exp_avg_sq *= c.beta2;
+    let _ = exp_avg_sq.addcmul_(grad, &(grad * (1.0 - c.beta2)));
+    (exp_avg_sq.sqrt() / bias2_sqrt) + c.eps
+}
+
+/// Scales the gradients of `params` so their global L2 norm is at most `max_norm` (as
+/// PyTorch's `clip_grad_norm_`), returning the norm before clipping. `max_norm = 0` only
+/// measures.
+pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
+    let _guard = tch::no_grad_guard();
+    let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
+    let squares: Vec<Tensor> = grads
+        .iter()
+        .filter(|g| g.defined())
+        .map(|g| g.square().sum(tch::Kind::Float))
+        .collect();
+    if squares.is_empty() {
+        return 0.0;
+    }
+    let total = Tensor::stack(&squares, 0).sum(tch::Kind::Float).sqrt();
+    let norm = total.double_value(&[]);
+    if max_norm > 0.0 {
+        let coef = (max_norm / (norm + 1e-6)).min(1.0);
+        if coef < 1.0 {
+            for mut g in grads.into_iter().filter(|g| g.defined()) {
+                g *= coef;
+            }
+        }
+    }
+    norm
+}
+
+/// The inner optimizer the run manifest chose (`outer.inner_optimizer`). Its state persists
+/// across rounds: a round never resets it.
+#[derive(Debug)]
+pub enum InnerOptimizer {
+    AdamW(AdamW),
+    Lordo(Lordo),
+}
+
+impl InnerOptimizer {
+    pub fn new(manifest: &RunManifest, params: Vec<(String, Tensor)>) -> Self {
+        match manifest.outer.inner_optimizer {
+            InnerOptimizerKind::Adamw => {
+                InnerOptimizer::AdamW(AdamW::new(&manifest.optimizer, params))
+            }
+            InnerOptimizerKind::Lordo => {
+                InnerOptimizer::Lordo(Lordo::new(&manifest.optimizer, &manifest.lordo, params))
+            }
+        }
+    }
+
+    pub fn steps(&self) -> u64 {
+        match self {
+            InnerOptimizer::AdamW(o) => o.steps(),
+            InnerOptimizer::Lordo(o) => o.steps(),
+        }
+    }
+
+    pub fn set_steps(&mut self, steps: u64) {
+        match self {
+            InnerOptimizer::AdamW(o) => o.set_steps(steps),
+            InnerOptimizer::Lordo(o) => o.set_steps(steps),
+        }
+    }
+
+    pub fn step(&mut self, lr: f64) {
+        match self {
+            InnerOptimizer::AdamW(o) => o.step(lr),
+            InnerOptimizer::Lordo(o) => o.step(lr),
+        }
+    }
+
+    pub fn zero_grad(&mut self) {
+        match self {
+            InnerOptimizer::AdamW(o) => o.zero_grad(),
+            InnerOptimizer::Lordo(o) => o.zero_grad(),
         }
     }
 }

@@ -1,7 +1,10 @@
 //! The local trainer: one model, its AdamW state and one worker's data stream.
 //!
 //! `Trainer::step` is one optimizer step (gradient accumulation over micro-batches,
-//! global-norm clipping, scheduled learning rate). A trainer is built fresh from the run's
+//! global-norm clipping, scheduled learning rate); synchronous data parallel splits it into
+//! [`Trainer::accumulate_gradients`] and [`Trainer::apply_gradients`] around a gradient
+//! average. The outer loop of a round reads and writes the parameters through
+//! [`Trainer::parameters`] and reaches LoRDO's basis through [`Trainer::inner_optimizer_mut`]. A trainer is built fresh from the run's
 //! seed, from a gasloc checkpoint (exact resume: parameters, moments, step, data cursor),
 //! or from a plain Hugging Face directory (`--init-from`: parameters only).
 //!
@@ -10,7 +13,7 @@
 
 use crate::checkpoint::{self, Checkpoint, TrainState};
 use crate::model::Llama;
-use crate::optim::{AdamW, LrSchedule};
+use crate::optim::{clip_grad_norm, AdamW, InnerOptimizer, LrSchedule};
 use anyhow::{bail, Context, Result};
 use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::{Batch, BatchStream, WorkerSlot};
@@ -40,7 +43,9 @@ pub struct Trainer {
     // Owns the parameters; `model` and `optimizer` hold handles to them.
     _vs: nn::VarStore,
     model: Llama,
-    optimizer: AdamW,
+    /// The parameters, sorted by name (handles to the store's tensors).
+    params: Vec<(String, Tensor)>,
+    optimizer: InnerOptimizer,
     schedule: LrSchedule,
     stream: BatchStream,
 }
@@ -66,7 +71,13 @@ impl Trainer {
             model
         };
         let params = named_parameters(&vs);
-        let optimizer = AdamW::new(&manifest.optimizer, params);
+        let optimizer = InnerOptimizer::new(
+            manifest,
+            params
+                .iter()
+                .map(|(n, t)| (n.clone(), t.shallow_clone()))
+                .collect(),
+        );
         let stream = BatchStream::new(
             data,
             manifest.data.seq_len,
@@ -81,6 +92,7 @@ impl Trainer {
             slot,
             _vs: vs,
             model,
+            params,
             optimizer,
             schedule: LrSchedule::new(&manifest.optimizer),
             stream,
@@ -124,7 +136,7 @@ impl Trainer {
         let mut trainer = Trainer::new(manifest, device, data, slot)?;
         trainer.load_parameters(&ckpt, &dir)?;
         let targets: Vec<(String, Tensor)> = trainer
-            .optimizer
+            .adamw()?
             .params()
             .iter()
             .flat_map(|p| {
@@ -174,10 +186,9 @@ impl Trainer {
 
     fn load_parameters(&mut self, ckpt: &Checkpoint, dir: &Path) -> Result<()> {
         let targets: Vec<(String, Tensor)> = self
-            .optimizer
-            .params()
+            .params
             .iter()
-            .map(|p| (p.name.clone(), p.param.shallow_clone()))
+            .map(|(n, t)| (n.clone(), t.shallow_clone()))
             .collect();
         checkpoint::copy_into(
             &ckpt.model,
@@ -204,8 +215,47 @@ impl Trainer {
         self.optimizer.steps()
     }
 
+    /// The parameters in name order: handles to the live tensors (writing into them, under
+    /// `tch::no_grad`, changes the model).
+    pub fn parameters(&self) -> Vec<Tensor> {
+        self.params.iter().map(|(_, t)| t.shallow_clone()).collect()
+    }
+
+    /// The parameter names, in the order of [`Self::parameters`].
+    pub fn parameter_names(&self) -> Vec<String> {
+        self.params.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// Overwrites the parameters with `values` (same order and shapes).
+    pub fn set_parameters(&mut self, values: &[Tensor]) {
+        let _guard = tch::no_grad_guard();
+        for ((_, p), v) in self.params.iter_mut().zip(values) {
+            p.copy_(v);
+        }
+    }
+
+    pub fn inner_optimizer_mut(&mut self) -> &mut InnerOptimizer {
+        &mut self.optimizer
+    }
+
+    fn adamw(&self) -> Result<&AdamW> {
+        match &self.optimizer {
+            InnerOptimizer::AdamW(o) => Ok(o),
+            InnerOptimizer::Lordo(_) => {
+                bail!("checkpoints of the LoRDO optimizer state are not implemented yet")
+            }
+        }
+    }
+
     /// One optimizer step over `grad_accum` micro-batches of this worker's stream.
     pub fn step(&mut self) -> Result<StepReport> {
+        let (loss, tokens) = self.accumulate_gradients()?;
+        Ok(self.apply_gradients(loss, tokens))
+    }
+
+    /// Forward and backward over `grad_accum` micro-batches: the gradients are left in the
+    /// parameters' `.grad`. Returns the mean loss and the tokens used.
+    pub fn accumulate_gradients(&mut self) -> Result<(f64, usize)> {
         let accum = self.manifest.data.grad_accum;
         let mut loss_sum = 0.0;
         let mut tokens = 0;
@@ -218,24 +268,31 @@ impl Trainer {
             loss_sum += loss.double_value(&[]);
         }
         let loss = loss_sum / accum as f64;
-        let step = self.optimizer.steps();
         if !loss.is_finite() {
             self.optimizer.zero_grad();
-            bail!("training diverged: the loss of step {} is {loss}", step + 1);
+            bail!(
+                "training diverged: the loss of step {} is {loss}",
+                self.optimizer.steps() + 1
+            );
         }
-        let grad_norm = self
-            .optimizer
-            .clip_grad_norm(self.manifest.optimizer.grad_clip);
+        Ok((loss, tokens))
+    }
+
+    /// Clips the gradients in `.grad`, takes the optimizer step at the scheduled rate and
+    /// clears them.
+    pub fn apply_gradients(&mut self, loss: f64, tokens: usize) -> StepReport {
+        let step = self.optimizer.steps();
+        let grad_norm = clip_grad_norm(&self.parameters(), self.manifest.optimizer.grad_clip);
         let lr = self.schedule.at(step);
         self.optimizer.step(lr);
         self.optimizer.zero_grad();
-        Ok(StepReport {
+        StepReport {
             step: step + 1,
             loss,
             lr,
             grad_norm,
             tokens,
-        })
+        }
     }
 
     /// Mean loss over `batches` (no gradients).
@@ -243,11 +300,12 @@ impl Trainer {
         evaluate(&self.model, self.device, batches)
     }
 
-    /// The current state as a checkpoint (tensors copied to the CPU).
-    pub fn checkpoint(&self) -> Checkpoint {
+    /// The current state as a checkpoint (tensors copied to the CPU). Refused for a LoRDO
+    /// inner optimizer, whose state has no checkpoint format yet.
+    pub fn checkpoint(&self) -> Result<Checkpoint> {
         let to_cpu = |t: &Tensor| t.detach().to_device(Device::Cpu);
-        let params = self.optimizer.params();
-        Checkpoint {
+        let params = self.adamw()?.params();
+        Ok(Checkpoint {
             manifest: self.manifest.clone(),
             model: params
                 .iter()
@@ -263,7 +321,7 @@ impl Trainer {
                 &self.slot,
                 self.stream.cursor(),
             )),
-        }
+        })
     }
 
     fn to_device(&self, batch: &Batch) -> (Tensor, Tensor) {

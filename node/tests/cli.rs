@@ -284,3 +284,86 @@ fn a_write_failure_keeps_the_previous_checkpoint_whole() {
         "step_00000003"
     );
 }
+
+/// `sim` with the common flags; `extra` appended.
+fn sim(run_toml: &Path, data: &Path, out: &Path, extra: &[&str]) -> Output {
+    run(node()
+        .args(["sim", "--threads", "1", "--workers", "3", "--rounds", "2"])
+        .arg("--run")
+        .arg(run_toml)
+        .arg("--data")
+        .arg(data)
+        .arg("--out")
+        .arg(out)
+        .args(extra))
+}
+
+#[test]
+fn sim_writes_per_round_records_a_summary_and_a_plot() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!("{TINY_RUN}\n[outer]\ntopology = \"two-peer\"\ninner_steps = 2\n");
+    let (run_toml, _) = write_manifest(dir.path(), &text);
+    let data = byte_data(dir.path());
+    let out = dir.path().join("sim");
+    let o = sim(
+        &run_toml,
+        &data,
+        &out,
+        &["--straggler", "1:0.2", "--target-loss", "100"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        stdout(&o)
+            .lines()
+            .filter(|l| l.starts_with("round="))
+            .count(),
+        2
+    );
+    let rounds = std::fs::read_to_string(out.join("rounds.csv")).unwrap();
+    assert_eq!(rounds.lines().count(), 3, "{rounds}");
+    let workers = std::fs::read_to_string(out.join("workers.csv")).unwrap();
+    assert_eq!(workers.lines().count(), 1 + 2 * 3, "{workers}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("rounds.json")).unwrap()).unwrap();
+    assert_eq!(json["rounds"].as_array().unwrap().len(), 2);
+    assert_eq!(json["stragglers"][0], "1:0.2");
+    let summary = std::fs::read_to_string(out.join("summary.md")).unwrap();
+    assert!(summary.contains("| final validation loss |"), "{summary}");
+    assert!(
+        summary.contains("simulated time to val loss ≤ 100"),
+        "{summary}"
+    );
+    let svg = std::fs::read_to_string(out.join("loss.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.contains("polyline"), "{svg}");
+}
+
+#[test]
+fn sim_refuses_bad_flags_and_manifests_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run_toml, _) = write_manifest(dir.path(), TINY_RUN);
+    let data = byte_data(dir.path());
+    let out = dir.path().join("sim");
+    assert_fails_with(
+        &sim(&run_toml, &data, &out, &["--straggler", "1"]),
+        "WORKER:FRACTION",
+    );
+    assert_fails_with(
+        &sim(&run_toml, &data, &out, &["--straggler", "7:0.5"]),
+        "worker 7",
+    );
+    assert_fails_with(
+        &sim(&run_toml, &data, &out, &["--straggler", "1:2"]),
+        "(0, 1]",
+    );
+    assert_fails_with(
+        &sim(&run_toml, &data, &out, &["--bandwidth-mbps", "0"]),
+        "--bandwidth-mbps",
+    );
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        format!("{TINY_RUN}\n[outer]\nalgorithm = \"diloco\"\ntopology = \"ring\"\n"),
+    )
+    .unwrap();
+    assert_fails_with(&sim(&bad, &data, &out, &[]), "outer.topology");
+}

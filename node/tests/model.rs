@@ -166,7 +166,7 @@ fn checkpoints_and_transformers_agree_in_both_directions() {
             trainer.step().unwrap(); // move the weights away from their init
         }
         let root = dir.path().join("ckpt");
-        let step_dir = checkpoint::save(&root, &trainer.checkpoint(), 1).unwrap();
+        let step_dir = checkpoint::save(&root, &trainer.checkpoint().unwrap(), 1).unwrap();
 
         // gasloc → transformers: logits of the checkpoint as saved, not of the live trainer.
         let ckpt = checkpoint::load(&step_dir, None).unwrap();

@@ -1,7 +1,11 @@
 //! gasloc's wire format and run manifest, shared by `gasloc-node` and `gasloc-bootstrap`.
 //!
+//! * [`manifest`]: the run manifest and its run id;
+//! * [`topology`]: round permutations, communication graphs and mixing weights.
+//!
 //! Nothing here depends on libtorch, so the bootstrap node builds without it.
 
 pub mod manifest;
+pub mod topology;
 
 pub use manifest::{RunManifest, Tokenizer};

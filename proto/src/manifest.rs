@@ -6,6 +6,7 @@
 //! SHA-256 of the resolved manifest's canonical bytes ([`RunManifest::canonical_bytes`]),
 //! so comments, key order and spelled-out defaults do not change it.
 
+use crate::topology::Topology;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::path::Path;
@@ -249,6 +250,187 @@ fn default_eval_batches() -> usize {
     8
 }
 
+/// The distributed algorithm of a run (ALGORITHMS.md §1, §5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Algorithm {
+    /// Gossip over the round's topology, then the outer (Nesterov) step.
+    Gasloc,
+    /// All-reduce of the pseudo-gradients with a barrier, then the outer step.
+    Diloco,
+    /// Gossip averaging of the models after H inner steps (η = 1, μ = 0).
+    LocalDadam,
+    /// Local-DAdam with H = 1.
+    Dadam,
+    /// Synchronous data parallel: gradients averaged every step (the reference).
+    Ddp,
+}
+
+impl Algorithm {
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::Gasloc => "gasloc",
+            Algorithm::Diloco => "diloco",
+            Algorithm::LocalDadam => "local-dadam",
+            Algorithm::Dadam => "dadam",
+            Algorithm::Ddp => "ddp",
+        }
+    }
+}
+
+/// What a worker sends its neighbours at the end of a round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Payload {
+    /// The local model `x_i`, fp32.
+    ModelFp32,
+    /// The local model `x_i`, rounded to bf16.
+    ModelBf16,
+    /// Rank-r pseudo-gradient factors with error feedback (ALGORITHMS.md §4.2); needs
+    /// `outer.inner_optimizer = "lordo"`.
+    Lordo,
+}
+
+/// The optimizer of the inner steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum InnerOptimizerKind {
+    Adamw,
+    /// Low-rank Adam with error feedback and the full-rank quasi-hyperbolic term (§4.1).
+    Lordo,
+}
+
+/// `[outer]`, resolved: the round structure and the outer optimizer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OuterConfig {
+    pub algorithm: Algorithm,
+    pub topology: Topology,
+    /// H: inner steps per round (the target when `adaptive_inner_steps`).
+    pub inner_steps: u64,
+    /// Each worker picks its own H_i in `[min_inner_steps, max_inner_steps]` (§2).
+    pub adaptive_inner_steps: bool,
+    pub min_inner_steps: u64,
+    pub max_inner_steps: u64,
+    /// η, the outer learning rate.
+    pub lr: f64,
+    /// μ, the outer momentum.
+    pub momentum: f64,
+    /// Nesterov (as `torch.optim.SGD(nesterov=True)`) or plain heavy-ball.
+    pub nesterov: bool,
+    pub payload: Payload,
+    pub inner_optimizer: InnerOptimizerKind,
+}
+
+/// `[outer]` as written: every key optional, defaults depend on the algorithm.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OuterSection {
+    algorithm: Option<Algorithm>,
+    topology: Option<Topology>,
+    inner_steps: Option<u64>,
+    adaptive_inner_steps: Option<bool>,
+    min_inner_steps: Option<u64>,
+    max_inner_steps: Option<u64>,
+    lr: Option<f64>,
+    momentum: Option<f64>,
+    nesterov: Option<bool>,
+    payload: Option<Payload>,
+    inner_optimizer: Option<InnerOptimizerKind>,
+}
+
+/// `[lordo]`: the low-rank inner optimizer and payload (used when selected in `[outer]`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LordoConfig {
+    /// r: rank of the projected matrices (capped at min(m, n) per matrix).
+    #[serde(default = "default_lordo_rank")]
+    pub rank: usize,
+    /// ω: weight of the low-rank Adam term; `1 − ω` goes to the full-rank term. 1 = none.
+    #[serde(default = "default_lordo_omega")]
+    pub omega: f64,
+    /// With `payload = "lordo"`: every K-th round the anchors are also sent (bf16) and mixed,
+    /// so the workers stay in consensus.
+    #[serde(default = "default_full_sync_every")]
+    pub full_sync_every: u64,
+}
+
+impl Default for LordoConfig {
+    fn default() -> Self {
+        LordoConfig {
+            rank: default_lordo_rank(),
+            omega: default_lordo_omega(),
+            full_sync_every: default_full_sync_every(),
+        }
+    }
+}
+
+fn default_lordo_rank() -> usize {
+    8
+}
+fn default_lordo_omega() -> f64 {
+    0.97
+}
+fn default_full_sync_every() -> u64 {
+    4
+}
+
+/// Resolves `[outer]`: the algorithm fixes what it implies, and contradicting it is an error.
+fn resolve_outer(s: &OuterSection) -> Result<OuterConfig, (&'static str, String)> {
+    let algorithm = s.algorithm.unwrap_or(Algorithm::Gasloc);
+    let a = algorithm.name();
+    let fixed_topology = matches!(algorithm, Algorithm::Diloco | Algorithm::Ddp);
+    let topology = match (fixed_topology, s.topology) {
+        (true, Some(t)) if t != Topology::Complete => {
+            return Err((
+                "outer.topology",
+                format!(
+                    "= {:?} contradicts algorithm {a:?} (always complete)",
+                    t.name()
+                ),
+            ))
+        }
+        (true, _) => Topology::Complete,
+        (false, t) => t.unwrap_or(Topology::OnePeer),
+    };
+    let one_step = matches!(algorithm, Algorithm::Dadam | Algorithm::Ddp);
+    let inner_steps = match (one_step, s.inner_steps) {
+        (true, Some(h)) if h != 1 => {
+            return Err((
+                "outer.inner_steps",
+                format!("= {h} contradicts algorithm {a:?} (one inner step per round)"),
+            ))
+        }
+        (true, _) => 1,
+        (false, h) => h.unwrap_or(30),
+    };
+    let plain_averaging = matches!(algorithm, Algorithm::LocalDadam | Algorithm::Dadam);
+    let (lr, momentum) = if plain_averaging {
+        if s.lr.is_some_and(|v| v != 1.0) {
+            return Err(("outer.lr", format!("must be 1 for algorithm {a:?}")));
+        }
+        if s.momentum.is_some_and(|v| v != 0.0) {
+            return Err(("outer.momentum", format!("must be 0 for algorithm {a:?}")));
+        }
+        (1.0, 0.0)
+    } else {
+        (s.lr.unwrap_or(0.7), s.momentum.unwrap_or(0.9))
+    };
+    Ok(OuterConfig {
+        algorithm,
+        topology,
+        inner_steps,
+        adaptive_inner_steps: s.adaptive_inner_steps.unwrap_or(false),
+        min_inner_steps: s.min_inner_steps.unwrap_or(1),
+        max_inner_steps: s.max_inner_steps.unwrap_or(2 * inner_steps),
+        lr,
+        momentum,
+        nesterov: s.nesterov.unwrap_or(true),
+        payload: s.payload.unwrap_or(Payload::ModelFp32),
+        inner_optimizer: s.inner_optimizer.unwrap_or(InnerOptimizerKind::Adamw),
+    })
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ManifestFile {
@@ -260,6 +442,10 @@ struct ManifestFile {
     optimizer: OptimizerConfig,
     #[serde(default)]
     eval: EvalConfig,
+    #[serde(default)]
+    outer: OuterSection,
+    #[serde(default)]
+    lordo: LordoConfig,
 }
 
 /// A resolved, validated run manifest.
@@ -272,6 +458,8 @@ pub struct RunManifest {
     pub data: DataConfig,
     pub optimizer: OptimizerConfig,
     pub eval: EvalConfig,
+    pub outer: OuterConfig,
+    pub lordo: LordoConfig,
 }
 
 impl RunManifest {
@@ -296,6 +484,7 @@ impl RunManifest {
             message,
         };
         let model = resolve_model(&file.model, &file.data).map_err(|(k, m)| invalid(k, m))?;
+        let outer = resolve_outer(&file.outer).map_err(|(k, m)| invalid(k, m))?;
         let manifest = RunManifest {
             name: file.name,
             seed: file.seed,
@@ -303,6 +492,8 @@ impl RunManifest {
             data: file.data,
             optimizer: file.optimizer,
             eval: file.eval,
+            outer,
+            lordo: file.lordo,
         };
         manifest.validate().map_err(|(k, m)| invalid(k, m))?;
         Ok(manifest)
@@ -436,6 +627,63 @@ impl RunManifest {
         if self.eval.interval == 0 {
             return Err(("eval.interval", "must be at least 1".into()));
         }
+        self.validate_outer()
+    }
+
+    fn validate_outer(&self) -> Result<(), (&'static str, String)> {
+        let u = &self.outer;
+        let l = &self.lordo;
+        if u.inner_steps == 0 {
+            return Err(("outer.inner_steps", "must be at least 1".into()));
+        }
+        if u.min_inner_steps == 0 || u.min_inner_steps > u.inner_steps {
+            return Err((
+                "outer.min_inner_steps",
+                format!(
+                    "= {} must lie in [1, outer.inner_steps = {}]",
+                    u.min_inner_steps, u.inner_steps
+                ),
+            ));
+        }
+        if u.max_inner_steps < u.inner_steps {
+            return Err((
+                "outer.max_inner_steps",
+                format!(
+                    "= {} must be ≥ outer.inner_steps = {}",
+                    u.max_inner_steps, u.inner_steps
+                ),
+            ));
+        }
+        if !(u.lr.is_finite() && u.lr > 0.0) {
+            return Err(("outer.lr", format!("= {} must be a positive number", u.lr)));
+        }
+        if !(0.0..1.0).contains(&u.momentum) {
+            return Err((
+                "outer.momentum",
+                format!("= {} must lie in [0, 1)", u.momentum),
+            ));
+        }
+        if u.payload == Payload::Lordo && u.inner_optimizer != InnerOptimizerKind::Lordo {
+            return Err((
+                "outer.payload",
+                "= \"lordo\" needs outer.inner_optimizer = \"lordo\" (its basis)".into(),
+            ));
+        }
+        if u.algorithm == Algorithm::Ddp && u.payload == Payload::Lordo {
+            return Err((
+                "outer.payload",
+                "= \"lordo\" does not apply to algorithm \"ddp\" (it averages gradients)".into(),
+            ));
+        }
+        if l.rank == 0 {
+            return Err(("lordo.rank", "must be at least 1".into()));
+        }
+        if !(l.omega > 0.0 && l.omega <= 1.0) {
+            return Err(("lordo.omega", format!("= {} must lie in (0, 1]", l.omega)));
+        }
+        if l.full_sync_every == 0 {
+            return Err(("lordo.full_sync_every", "must be at least 1".into()));
+        }
         Ok(())
     }
 }
@@ -553,5 +801,85 @@ decay_steps = 100
         assert!(e.to_string().contains("data.micro_batch"), "{e}");
         let e = RunManifest::parse(&TINY.replace("\"tiny\"", "\"huge\""), "x").unwrap_err();
         assert!(e.to_string().contains("model.size"), "{e}");
+    }
+
+    #[test]
+    fn outer_defaults_follow_the_algorithm() {
+        let m = RunManifest::parse(TINY, "t").unwrap();
+        let o = &m.outer;
+        assert_eq!(
+            (o.algorithm, o.topology),
+            (Algorithm::Gasloc, Topology::OnePeer)
+        );
+        assert_eq!(
+            (o.inner_steps, o.min_inner_steps, o.max_inner_steps),
+            (30, 1, 60)
+        );
+        assert_eq!((o.lr, o.momentum, o.nesterov), (0.7, 0.9, true));
+        assert_eq!(o.payload, Payload::ModelFp32);
+        let with = |outer: &str| RunManifest::parse(&format!("{TINY}[outer]\n{outer}\n"), "x");
+        let d = with("algorithm = \"diloco\"\ninner_steps = 50")
+            .unwrap()
+            .outer;
+        assert_eq!((d.topology, d.inner_steps), (Topology::Complete, 50));
+        let d = with("algorithm = \"dadam\"\ntopology = \"ring\"")
+            .unwrap()
+            .outer;
+        assert_eq!((d.inner_steps, d.lr, d.momentum), (1, 1.0, 0.0));
+        assert_eq!(d.topology, Topology::Ring);
+        let d = with("algorithm = \"ddp\"").unwrap().outer;
+        assert_eq!((d.inner_steps, d.topology), (1, Topology::Complete));
+    }
+
+    #[test]
+    fn outer_contradictions_and_bad_values_name_the_key() {
+        let with = |outer: &str| {
+            RunManifest::parse(&format!("{TINY}[outer]\n{outer}\n"), "x")
+                .unwrap_err()
+                .to_string()
+        };
+        let cases = [
+            (
+                "algorithm = \"diloco\"\ntopology = \"one-peer\"",
+                "outer.topology",
+            ),
+            (
+                "algorithm = \"dadam\"\ninner_steps = 5",
+                "outer.inner_steps",
+            ),
+            ("algorithm = \"local-dadam\"\nlr = 0.7", "outer.lr"),
+            (
+                "algorithm = \"local-dadam\"\nmomentum = 0.9",
+                "outer.momentum",
+            ),
+            ("algorithm = \"gossip\"", "algorithm"),
+            ("topology = \"star\"", "topology"),
+            ("inner_steps = 0", "outer.inner_steps"),
+            (
+                "inner_steps = 10\nmin_inner_steps = 11",
+                "outer.min_inner_steps",
+            ),
+            (
+                "inner_steps = 10\nmax_inner_steps = 9",
+                "outer.max_inner_steps",
+            ),
+            ("momentum = 1.0", "outer.momentum"),
+            ("lr = -1.0", "outer.lr"),
+            ("payload = \"lordo\"", "outer.payload"),
+            ("inner_step = 3", "inner_step"),
+        ];
+        for (outer, key) in cases {
+            let e = with(outer);
+            assert!(e.contains(key), "{outer}: {e}");
+        }
+        let lordo = |body: &str| {
+            RunManifest::parse(&format!("{TINY}[lordo]\n{body}\n"), "x")
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(lordo("rank = 0").contains("lordo.rank"));
+        assert!(lordo("omega = 0.0").contains("lordo.omega"));
+        assert!(lordo("omega = 1.5").contains("lordo.omega"));
+        assert!(lordo("full_sync_every = 0").contains("lordo.full_sync_every"));
     }
 }

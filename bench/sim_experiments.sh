@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# bench/sim_experiments: the five simulator experiments of docs/results.md, at small scale
+# (the tiny model on Shakespeare bytes, 8 workers, 1 libtorch thread per run).
+#
+# usage: [SIM_ROUNDS_H30=12] [SIM_ROUNDS_H1=150] bench/sim_experiments.sh [1 2 3 4 5 …]  (default: all)
+# Writes runs/exp/<name>/ (rounds.csv, workers.csv, rounds.json, summary.md, loss.svg) and the
+# manifests it generated in runs/exp/manifests/. Each experiment takes minutes on 2 cores.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+node=${GASLOC_NODE:-target/debug/gasloc-node}
+data=${GASLOC_SIM_DATA:-datasets/shakespeare-byte}
+out=runs/exp
+mkdir -p "$out/manifests"
+r30=${SIM_ROUNDS_H30:-12}     # rounds of the H = 30 runs
+r1=${SIM_ROUNDS_H1:-150}      # rounds (= steps) of the H = 1 runs
+d30=$((r30 * 30))
+
+# manifest NAME DECAY_STEPS OUTER_LINES [LORDO_LINES]: examples/runs/sim-tiny.toml with its
+# [outer] replaced and decay_steps set.
+manifest() {
+  local path="$out/manifests/$1.toml"
+  sed -e '/^\[outer\]/,$d' -e "s/^decay_steps = .*/decay_steps = $2/" examples/runs/sim-tiny.toml > "$path"
+  printf '[outer]\n%b\n' "$3" >> "$path"
+  if [ -n "${4:-}" ]; then printf '[lordo]\n%b\n' "$4" >> "$path"; fi
+  echo "$path"
+}
+
+# sim NAME ROUNDS DECAY OUTER [LORDO] [-- extra sim flags]
+sim() {
+  local name=$1 rounds=$2 decay=$3 outer=$4 lordo=${5:-}
+  shift 5 || shift $#
+  local run; run=$(manifest "$name" "$decay" "$outer" "$lordo")
+  echo "== $name"
+  "$node" sim --run "$run" --data "$data" --workers 8 --rounds "$rounds" --out "$out/$name" \
+    --threads 1 "$@" | tail -1
+}
+
+exp1() { # H = 30: GASLoC one-peer / two-peer vs DiLoCo vs Local-DAdam
+  sim e1-gasloc-one-peer "$r30" "$d30" 'topology = "one-peer"\ninner_steps = 30' ''
+  sim e1-gasloc-two-peer "$r30" "$d30" 'topology = "two-peer"\ninner_steps = 30' ''
+  sim e1-diloco "$r30" "$d30" 'algorithm = "diloco"\ninner_steps = 30' ''
+  sim e1-local-dadam-two-peer "$r30" "$d30" 'algorithm = "local-dadam"\ntopology = "two-peer"\ninner_steps = 30' ''
+  sim e1-ddp "$d30" "$d30" 'algorithm = "ddp"' '' --eval-every 30
+}
+
+exp2() { # H = 1: GASLoC vs DAdam on four topologies
+  for t in one-peer two-peer ring complete; do
+    sim "e2-gasloc-$t" "$r1" "$r1" "topology = \"$t\"\ninner_steps = 1" '' --eval-every 25
+    sim "e2-dadam-$t" "$r1" "$r1" "algorithm = \"dadam\"\ntopology = \"$t\"" '' --eval-every 25
+  done
+  # the same long-run outer step η/(1−μ) = 1 as DAdam
+  sim e2-gasloc-one-peer-eta0.1 "$r1" "$r1" 'topology = "one-peer"\ninner_steps = 1\nlr = 0.1\nmomentum = 0.9' '' --eval-every 25
+}
+
+exp3() { # outer momentum as gossip acceleration: consensus per round, one-peer, H = 30 (μ = 0.9 is e1-gasloc-one-peer)
+  sim e3-one-peer-mu0 "$r30" "$d30" 'topology = "one-peer"\ninner_steps = 30\nmomentum = 0.0' ''
+  # the same long-run step size η/(1−μ) = 0.7 as μ = 0
+  sim e3-one-peer-mu0.9-eta0.07 "$r30" "$d30" 'topology = "one-peer"\ninner_steps = 30\nmomentum = 0.9\nlr = 0.07' ''
+}
+
+exp4() { # LoRDO: global projection (all-reduce) without / with the full-rank QH term, ranks d/32, d/8, d/4
+  for r in 2 8 16; do
+    for w in 1.0 0.97; do
+      sim "e4-lordo-diloco-r$r-omega$w" "$r30" "$d30" \
+        'algorithm = "diloco"\ninner_steps = 30\ninner_optimizer = "lordo"\npayload = "lordo"' \
+        "rank = $r\nomega = $w\nfull_sync_every = 1000000"
+    done
+  done
+  for w in 1.0 0.97; do
+    sim "e4-lordo-gossip-two-peer-r8-omega$w" "$r30" "$d30" \
+      'topology = "two-peer"\ninner_steps = 30\ninner_optimizer = "lordo"\npayload = "lordo"' \
+      "rank = 8\nomega = $w\nfull_sync_every = 4"
+  done
+  sim e4-gasloc-two-peer-bf16 "$r30" "$d30" 'topology = "two-peer"\ninner_steps = 30\npayload = "model-bf16"' ''
+}
+
+exp5() { # stragglers: one worker at 10 % / 20 % bandwidth; fixed 20 ms simulated step time
+  for f in 0.1 0.2; do
+    sim "e5-diloco-s$f" "$r30" "$d30" 'algorithm = "diloco"\ninner_steps = 30' '' --straggler "3:$f" --step-time-ms 20
+    sim "e5-gasloc-fixed-s$f" "$r30" "$d30" 'topology = "one-peer"\ninner_steps = 30' '' --straggler "3:$f" --step-time-ms 20
+    sim "e5-gasloc-adaptive-s$f" "$r30" "$d30" 'topology = "one-peer"\ninner_steps = 30\nadaptive_inner_steps = true\nmin_inner_steps = 5' '' \
+      --straggler "3:$f" --step-time-ms 20
+  done
+}
+
+for e in "${@:-1 2 3 4 5}"; do
+  for one in $e; do "exp$one"; done
+done

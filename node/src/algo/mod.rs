@@ -1,0 +1,15 @@
+//! The distributed-training math, on named tensors, shared by the simulator and the
+//! networked node (one implementation):
+//!
+//! * [`outer`]: the mixed pseudo-gradient of a round, DiLoCo's all-reduce, the outer
+//!   Nesterov / heavy-ball step and the consensus distance;
+//! * [`lordo`]: LoRDO's low-rank inner optimizer (error feedback, full-rank QH term, basis
+//!   refresh with moment rotation);
+//! * [`payload`]: what a worker sends (fp32 / bf16 model, LoRDO pseudo-gradient) and its size.
+//!
+//! Who mixes with whom (permutations, topologies, weights) is torch-free and lives in
+//! `gasloc_proto::topology`.
+
+pub mod lordo;
+pub mod outer;
+pub mod payload;

@@ -1,0 +1,150 @@
+//! The end of a round on named tensors: the mixed pseudo-gradient and the outer step
+//! (ALGORITHMS.md §1, steps 3–4). The simulator and the networked node both call these.
+//!
+//! A model is a list of tensors in the trainer's parameter order. The mixing is written in
+//! pseudo-gradient form, `Δ_i = Σ_j w_ij·(θ_i − x_j) = θ_i − x̄_i` (the rows are stochastic), with
+//! the terms summed in ascending worker order and the weights as exact fractions
+//! `count/denominator`: `Δ_i = (Σ_j count_j·(θ_i − x_j)) / denominator`. With the complete
+//! topology and identical anchors this is, operation for operation, DiLoCo's all-reduce
+//! `mean_j(θ − x_j)` ([`all_reduce_mean`]), which is what makes the two bit-identical.
+
+use gasloc_proto::manifest::OuterConfig;
+use gasloc_proto::topology::MixingRow;
+use tch::Tensor;
+
+/// `Δ_i = (Σ_j count_j·(θ_i − x_j)) / denominator` for worker `row.worker`, tensor by tensor.
+/// `model(j)` gives worker j's received (decoded) local model; the worker's own comes from it
+/// too.
+pub fn mixed_pseudo_gradient<'a>(
+    row: &MixingRow,
+    anchor: &[Tensor],
+    model: impl Fn(usize) -> &'a [Tensor],
+) -> Vec<Tensor> {
+    let _guard = tch::no_grad_guard();
+    anchor
+        .iter()
+        .enumerate()
+        .map(|(p, theta)| {
+            let terms = row.terms.iter().map(|&(j, count)| {
+                let d = theta - &model(j)[p];
+                if count == 1 {
+                    d
+                } else {
+                    d * count as f64
+                }
+            });
+            sum_then_divide(terms, row.denominator)
+        })
+        .collect()
+}
+
+/// `(Σ_j count_j·t_j) / denominator`, tensor by tensor: the row's weighted mean of what the
+/// workers sent — pseudo-gradients (the LoRDO payload, where anchors differ between workers)
+/// or anchors (its full-sync rounds).
+pub fn weighted_mix<'a>(row: &MixingRow, sent: impl Fn(usize) -> &'a [Tensor]) -> Vec<Tensor> {
+    let _guard = tch::no_grad_guard();
+    let own = sent(row.worker);
+    (0..own.len())
+        .map(|p| {
+            let terms = row.terms.iter().map(|&(j, count)| {
+                let x = sent(j)[p].copy();
+                if count == 1 {
+                    x
+                } else {
+                    x * count as f64
+                }
+            });
+            sum_then_divide(terms, row.denominator)
+        })
+        .collect()
+}
+
+/// DiLoCo's all-reduce: `mean_j(θ − x_j)` over all workers, summed in worker order.
+pub fn all_reduce_mean(anchor: &[Tensor], models: &[Vec<Tensor>]) -> Vec<Tensor> {
+    let _guard = tch::no_grad_guard();
+    anchor
+        .iter()
+        .enumerate()
+        .map(|(p, theta)| {
+            sum_then_divide(models.iter().map(|x| theta - &x[p]), models.len() as u32)
+        })
+        .collect()
+}
+
+fn sum_then_divide(terms: impl Iterator<Item = Tensor>, denominator: u32) -> Tensor {
+    let mut terms = terms;
+    let mut acc = terms.next().expect("a mixing row always holds self");
+    for t in terms {
+        acc += t;
+    }
+    if denominator == 1 {
+        acc
+    } else {
+        acc / denominator as f64
+    }
+}
+
+/// The outer optimizer: SGD with momentum on the pseudo-gradient `Δ`, as
+/// `torch.optim.SGD(lr=η, momentum=μ, nesterov=…)`:
+/// `m ← μ·m + Δ`; `θ ← θ − η·(Δ + μ·m)` (Nesterov) or `θ ← θ − η·m` (heavy-ball).
+#[derive(Debug)]
+pub struct OuterOptimizer {
+    lr: f64,
+    momentum: f64,
+    nesterov: bool,
+    /// `m`, zeros at the start, one per tensor.
+    buffers: Vec<Tensor>,
+}
+
+impl OuterOptimizer {
+    pub fn new(config: &OuterConfig, anchor: &[Tensor]) -> Self {
+        OuterOptimizer {
+            lr: config.lr,
+            momentum: config.momentum,
+            nesterov: config.nesterov,
+            buffers: anchor.iter().map(Tensor::zeros_like).collect(),
+        }
+    }
+
+    /// Applies one outer step to `anchor` in place.
+    pub fn step(&mut self, anchor: &mut [Tensor], delta: &[Tensor]) {
+        let _guard = tch::no_grad_guard();
+        for ((theta, m), d) in anchor.iter_mut().zip(&mut self.buffers).zip(delta) {
+            if self.momentum == 0.0 {
+                *theta -= d * self.lr;
+                continue;
+            }
+            *m *= self.momentum;
+            *m += d;
+            let update = if self.nesterov {
+                d + &*m * self.momentum
+            } else {
+                m.shallow_clone()
+            };
+            *theta -= update * self.lr;
+        }
+    }
+}
+
+/// Consensus distance `mean_i ‖θ_i − θ̄‖² / ‖θ̄‖²` over all tensors of all workers.
+pub fn consensus_distance(anchors: &[Vec<Tensor>]) -> f64 {
+    let _guard = tch::no_grad_guard();
+    let n = anchors.len() as f64;
+    let (mut spread, mut norm) = (0.0, 0.0);
+    for p in 0..anchors[0].len() {
+        let stacked = Tensor::stack(&anchors.iter().map(|a| &a[p]).collect::<Vec<_>>(), 0)
+            .to_kind(tch::Kind::Double);
+        let mean = stacked.mean_dim(0, false, tch::Kind::Double);
+        spread += (&stacked - &mean)
+            .square()
+            .sum(tch::Kind::Double)
+            .double_value(&[])
+            / n;
+        norm += mean.square().sum(tch::Kind::Double).double_value(&[]);
+    }
+    if norm == 0.0 {
+        0.0
+    } else {
+        spread / norm
+    }
+}

@@ -1,0 +1,270 @@
+//! The round math on plain tensors: outer step, mixing, LoRDO's optimizer and payload.
+
+use gasloc_node::algo::lordo::{
+    project, project_back, rotate_moments, side_and_rank, top_singular_basis, Lordo, Side,
+};
+use gasloc_node::algo::outer::{all_reduce_mean, mixed_pseudo_gradient, OuterOptimizer};
+use gasloc_node::algo::payload::encode_lordo;
+use gasloc_node::optim::AdamW;
+use gasloc_proto::topology::{permutation, sim_round_seed, Topology};
+use gasloc_proto::RunManifest;
+use tch::{Kind, Tensor};
+
+fn manifest(outer: &str, lordo: &str) -> RunManifest {
+    RunManifest::parse(
+        &format!(
+            "name='t'\nseed=1\n[model]\nsize='tiny'\n[data]\ntokenizer='byte'\nseq_len=8\n\
+             micro_batch=1\n[optimizer]\nlr=0.01\ndecay_steps=100\n[outer]\n{outer}\n[lordo]\n{lordo}\n"
+        ),
+        "t",
+    )
+    .unwrap()
+}
+
+fn randn(shape: &[i64], seed: i64) -> Tensor {
+    tch::manual_seed(seed);
+    Tensor::randn(shape, (Kind::Float, tch::Device::Cpu))
+}
+
+fn models(n: usize, seed: i64) -> Vec<Vec<Tensor>> {
+    (0..n)
+        .map(|i| {
+            vec![
+                randn(&[3, 4], seed + i as i64),
+                randn(&[5], seed + 100 + i as i64),
+            ]
+        })
+        .collect()
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    (a - b).abs().max().double_value(&[])
+}
+
+fn bitwise_equal(a: &[Tensor], b: &[Tensor]) -> bool {
+    a.iter().zip(b).all(|(x, y)| x.equal(y))
+}
+
+#[test]
+fn outer_nesterov_and_heavy_ball_follow_torch_sgd() {
+    for nesterov in [true, false] {
+        let m = manifest(
+            &format!("lr = 0.7\nmomentum = 0.9\nnesterov = {nesterov}"),
+            "",
+        );
+        let mut theta = vec![randn(&[4], 1)];
+        let mut outer = OuterOptimizer::new(&m.outer, &theta);
+        let (mut t_ref, mut buf) = (
+            theta[0].copy(),
+            Tensor::zeros([4], (Kind::Float, tch::Device::Cpu)),
+        );
+        for k in 0..3 {
+            let delta = vec![randn(&[4], 10 + k)];
+            outer.step(&mut theta, &delta);
+            buf = &buf * 0.9 + &delta[0];
+            let update = if nesterov {
+                &delta[0] + &buf * 0.9
+            } else {
+                buf.copy()
+            };
+            t_ref = &t_ref - update * 0.7;
+            assert!(
+                max_abs_diff(&theta[0], &t_ref) < 1e-6,
+                "nesterov={nesterov} step {k}"
+            );
+        }
+    }
+}
+
+#[test]
+fn eta_one_mu_zero_is_plain_gossip_averaging() {
+    let m = manifest("algorithm = \"local-dadam\"", "");
+    let xs = models(6, 20);
+    for topology in [
+        Topology::OnePeer,
+        Topology::TwoPeer,
+        Topology::Complete,
+        Topology::Ring,
+    ] {
+        let rows = topology.mixing(&permutation(sim_round_seed(3, 1), 6));
+        for row in &rows {
+            let mut theta: Vec<Tensor> = models(1, 90 + row.worker as i64).remove(0);
+            let delta = mixed_pseudo_gradient(row, &theta, |j| &xs[j]);
+            OuterOptimizer::new(&m.outer, &theta).step(&mut theta, &delta);
+            for (p, t) in theta.iter().enumerate() {
+                let mut mean = t.zeros_like();
+                for &(j, c) in &row.terms {
+                    mean += &xs[j][p] * (c as f64 / row.denominator as f64);
+                }
+                assert!(
+                    max_abs_diff(t, &mean) < 1e-5,
+                    "{topology:?} worker {}",
+                    row.worker
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn complete_mixing_equals_the_all_reduce_bit_for_bit() {
+    let xs = models(8, 40);
+    let theta = models(1, 7).remove(0);
+    let rows = Topology::Complete.mixing(&permutation(sim_round_seed(1, 1), 8));
+    let reference = all_reduce_mean(&theta, &xs);
+    for row in &rows {
+        let delta = mixed_pseudo_gradient(row, &theta, |j| &xs[j]);
+        assert!(bitwise_equal(&delta, &reference), "worker {}", row.worker);
+    }
+}
+
+/// A quadratic's gradient at `w`: `2·(w − target)·scale` (element-wise).
+fn quadratic_grad(w: &Tensor, target: &Tensor, scale: &Tensor) {
+    let loss = ((w - target).square() * scale).sum(Kind::Float);
+    loss.backward();
+}
+
+fn lordo_params(rank: usize, omega: f64) -> (RunManifest, Tensor, Tensor, Tensor) {
+    let m = manifest(
+        "inner_optimizer = \"lordo\"",
+        &format!("rank = {rank}\nomega = {omega}"),
+    );
+    let w = randn(&[6, 4], 3).set_requires_grad(true);
+    (m, w, randn(&[6, 4], 4), randn(&[6, 4], 5).abs() + 0.1)
+}
+
+#[test]
+fn lordo_at_full_rank_and_omega_one_is_adamw_in_the_rotated_basis() {
+    let (m, w, target, scale) = lordo_params(4, 1.0);
+    let name = "model.layers.0.mlp.up_proj.weight".to_string();
+    let mut lordo = Lordo::new(
+        &m.optimizer,
+        &m.lordo,
+        vec![(name.clone(), w.shallow_clone())],
+    );
+    // A random orthogonal basis, set through a refresh on a full-rank matrix.
+    let aggregated = randn(&[6, 4], 9);
+    lordo.refresh_basis(
+        std::slice::from_ref(&name),
+        std::slice::from_ref(&aggregated),
+    );
+    let q = lordo.projected()[0].basis.copy();
+    assert_eq!(q.size(), vec![4, 4]);
+    // Reference: AdamW on W' = W·Q, whose gradient is G·Q; W = W'·Qᵀ.
+    let w_rot = w.detach().matmul(&q).set_requires_grad(true);
+    let mut adam = AdamW::new(&m.optimizer, vec![(name.clone(), w_rot.shallow_clone())]);
+    for _ in 0..5 {
+        quadratic_grad(&w, &target, &scale);
+        lordo.step(0.01);
+        lordo.zero_grad();
+        let w_of_rot = w_rot.matmul(&q.tr());
+        quadratic_grad(&w_of_rot, &target, &scale);
+        adam.step(0.01);
+        adam.zero_grad();
+        let back = w_rot.detach().matmul(&q.tr());
+        assert!(max_abs_diff(&w.detach(), &back) < 1e-5);
+    }
+    // Full rank: the error feedback stays (numerically) empty.
+    assert!(lordo.projected()[0].error.abs().max().double_value(&[]) < 1e-5);
+}
+
+#[test]
+fn lordo_error_feedback_keeps_what_projection_cut() {
+    let (m, w, target, scale) = lordo_params(2, 0.9);
+    let name = "model.layers.0.self_attn.q_proj.weight".to_string();
+    let mut lordo = Lordo::new(&m.optimizer, &m.lordo, vec![(name, w.shallow_clone())]);
+    let s = &lordo.projected()[0];
+    assert_eq!((s.side, s.basis.size()), (Side::Right, vec![4, 2]));
+    quadratic_grad(&w, &target, &scale);
+    let g = w.grad().copy();
+    lordo.step(0.01);
+    let s = &lordo.projected()[0];
+    let kept = project_back(s.side, &s.basis, &project(s.side, &s.basis, &g));
+    assert!(max_abs_diff(&(kept + &s.error), &g) < 1e-6);
+    assert!(
+        s.error.abs().max().double_value(&[]) > 1e-3,
+        "rank 2 of 4 cuts something"
+    );
+}
+
+#[test]
+fn rotation_preserves_moments_when_the_basis_does_not_change() {
+    let q = top_singular_basis(Side::Right, &randn(&[6, 4], 1), 3);
+    let u = randn(&[6, 3], 2) * 0.1;
+    let v = randn(&[6, 3], 3).square() * 0.1 + u.square();
+    let (u2, v2) = rotate_moments(Side::Right, &q, &q, &u, &v, 0.5, 0.2);
+    assert!(max_abs_diff(&u, &u2) < 1e-6);
+    assert!(max_abs_diff(&v, &v2) < 1e-6);
+    // A basis that is a signed permutation of the old one carries the moments exactly along.
+    let perm = Tensor::from_slice(&[2i64, 0, 1]);
+    let q_new = q.index_select(1, &perm) * Tensor::from_slice(&[1.0f32, -1.0, 1.0]);
+    let ql = top_singular_basis(Side::Left, &randn(&[3, 7], 1), 3);
+    let ul = randn(&[3, 7], 5);
+    let vl = randn(&[3, 7], 6).square() + ul.square();
+    let (ul2, vl2) = rotate_moments(Side::Left, &ql, &ql, &ul, &vl, 1.0, 1.0);
+    assert!(max_abs_diff(&ul, &ul2) < 1e-5 && max_abs_diff(&vl, &vl2) < 1e-5);
+    let (u3, v3) = rotate_moments(Side::Right, &q, &q_new, &u, &v, 1.0, 1.0);
+    let expect_u = u.index_select(1, &perm) * Tensor::from_slice(&[1.0f32, -1.0, 1.0]);
+    assert!(max_abs_diff(&u3, &expect_u) < 1e-5);
+    assert!(max_abs_diff(&v3, &v.index_select(1, &perm)) < 1e-5);
+}
+
+#[test]
+fn refresh_finds_the_top_singular_subspace() {
+    // A rank-2 matrix: its top-2 right singular vectors span its row space.
+    let a = randn(&[8, 2], 1).matmul(&randn(&[2, 5], 2));
+    let (side, r) = side_and_rank(&[8, 5], 2);
+    let q = top_singular_basis(side, &a, r);
+    let again = project_back(side, &q, &project(side, &q, &a));
+    assert!(max_abs_diff(&again, &a) < 1e-4);
+    let (side, r) = side_and_rank(&[5, 8], 9);
+    assert_eq!((side, r), (Side::Left, 5));
+}
+
+#[test]
+fn payload_error_feedback_sends_the_whole_pseudo_gradient_over_rounds() {
+    let (m, w, ..) = lordo_params(1, 0.97);
+    let name = "model.layers.0.mlp.down_proj.weight".to_string();
+    let names = vec![name.clone(), "model.norm.weight".to_string()];
+    let norm = randn(&[4], 8).set_requires_grad(true);
+    let lordo = Lordo::new(
+        &m.optimizer,
+        &m.lordo,
+        vec![
+            (name, w.shallow_clone()),
+            (names[1].clone(), norm.shallow_clone()),
+        ],
+    );
+    let mut error = vec![
+        Tensor::zeros([6, 4], (Kind::Float, tch::Device::Cpu)),
+        Tensor::zeros([4], (Kind::Float, tch::Device::Cpu)),
+    ];
+    let mut total_true = [error[0].zeros_like(), error[1].zeros_like()];
+    let mut total_sent = [error[0].zeros_like(), error[1].zeros_like()];
+    for round in 0..4 {
+        let pseudo = vec![randn(&[6, 4], 30 + round), randn(&[4], 40 + round)];
+        let payload = encode_lordo(&names, &pseudo, &mut error, lordo.projected());
+        // rank 1 of a 6×4: (6 + 4) bf16 values; the norm whole in bf16.
+        assert_eq!(payload.bytes, 2 * (6 + 4) + 2 * 4);
+        for p in 0..2 {
+            total_true[p] += &pseudo[p];
+            total_sent[p] += &payload.decoded[p];
+            let gap = max_abs_diff(&(&total_sent[p] + &error[p]), &total_true[p]);
+            assert!(gap < 1e-5, "round {round} tensor {p}: {gap}");
+        }
+    }
+}
+
+#[test]
+fn a_missing_neighbour_leaves_a_stochastic_mix_of_the_rest() {
+    let m = manifest("algorithm = \"local-dadam\"", "");
+    let xs = models(4, 60);
+    let row = Topology::TwoPeer.mixing(&[0, 1, 2, 3])[1].without(&[2]);
+    let mut theta = models(1, 70).remove(0);
+    let delta = mixed_pseudo_gradient(&row, &theta, |j| &xs[j]);
+    OuterOptimizer::new(&m.outer, &theta).step(&mut theta, &delta);
+    for (p, t) in theta.iter().enumerate() {
+        let expected = (&xs[0][p] + &xs[1][p] * 2.0) / 3.0;
+        assert!(max_abs_diff(t, &expected) < 1e-5);
+    }
+}

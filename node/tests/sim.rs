@@ -1,0 +1,180 @@
+//! The simulator on real tiny data: the invariants that need whole runs.
+
+mod common;
+
+use common::{byte_data, TINY_RUN};
+use gasloc_data::shards::TokenDataset;
+use gasloc_node::sim::clock::Straggler;
+use gasloc_node::sim::{RoundRecord, SimOptions, Simulation};
+use gasloc_proto::RunManifest;
+use std::sync::{Arc, Mutex};
+use tch::Tensor;
+
+fn manifest(outer: &str) -> RunManifest {
+    manifest_with(outer, "")
+}
+
+fn manifest_with(outer: &str, extra: &str) -> RunManifest {
+    RunManifest::parse(&format!("{TINY_RUN}\n[outer]\n{outer}\n{extra}"), "test").unwrap()
+}
+
+fn options(workers: usize, rounds: u64) -> SimOptions {
+    SimOptions {
+        workers,
+        rounds,
+        stragglers: Vec::new(),
+        bandwidth_mbps: 100.0,
+        latency_ms: 10.0,
+        step_time_ms: Some(20.0),
+        eval_every: 1,
+    }
+}
+
+/// Parameter init seeds libtorch's global RNG (`tch::manual_seed`): simulations in parallel
+/// test threads would interleave their draws, so they take turns.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn simulate(m: &RunManifest, o: SimOptions) -> (Vec<RoundRecord>, Vec<Vec<Tensor>>) {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let data = Arc::new(TokenDataset::open(&byte_data(dir.path()), 256).unwrap());
+    let mut sim = Simulation::new(m, data, o.clone()).unwrap();
+    let records = (0..o.rounds).map(|_| sim.run_round().unwrap()).collect();
+    (records, sim.anchors())
+}
+
+fn same_bits(a: &[Vec<Tensor>], b: &[Vec<Tensor>]) -> bool {
+    a.iter()
+        .zip(b)
+        .all(|(x, y)| x.iter().zip(y).all(|(s, t)| s.equal(t)))
+}
+
+#[test]
+fn complete_topology_with_nesterov_is_diloco_bit_for_bit() {
+    let (gasloc, anchors_g) = simulate(
+        &manifest("algorithm = \"gasloc\"\ntopology = \"complete\"\ninner_steps = 3"),
+        options(4, 3),
+    );
+    let (diloco, anchors_d) = simulate(
+        &manifest("algorithm = \"diloco\"\ninner_steps = 3"),
+        options(4, 3),
+    );
+    assert!(same_bits(&anchors_g, &anchors_d));
+    // …and every GASLoC worker holds the same anchor.
+    assert!(same_bits(&anchors_g[..1], &anchors_g[3..]));
+    for (g, d) in gasloc.iter().zip(&diloco) {
+        assert_eq!(g.val_loss, d.val_loss);
+        assert_eq!(g.consensus, 0.0);
+    }
+}
+
+#[test]
+fn the_same_seed_gives_the_same_run() {
+    let m = manifest("topology = \"one-peer\"\ninner_steps = 2");
+    let (a, anchors_a) = simulate(&m, options(4, 3));
+    let (b, anchors_b) = simulate(&m, options(4, 3));
+    assert!(same_bits(&anchors_a, &anchors_b));
+    let losses = |r: &[RoundRecord]| -> Vec<f64> {
+        r.iter()
+            .flat_map(|r| r.workers.iter().map(|w| w.train_loss))
+            .collect()
+    };
+    assert_eq!(losses(&a), losses(&b));
+    // Gossip leaves the anchors apart, but a one-peer round shrinks the gap.
+    assert!(a.iter().all(|r| r.consensus > 0.0));
+    let other = RunManifest::parse(
+        &format!(
+            "{}\n[outer]\ntopology = \"one-peer\"\ninner_steps = 2",
+            TINY_RUN.replace("seed = 7", "seed = 8")
+        ),
+        "t",
+    )
+    .unwrap();
+    let (_, anchors_c) = simulate(&other, options(4, 3));
+    assert!(!same_bits(&anchors_a, &anchors_c));
+}
+
+#[test]
+fn every_algorithm_trains_and_ddp_keeps_workers_identical() {
+    for (outer, rounds) in [
+        (
+            "algorithm = \"gasloc\"\ntopology = \"two-peer\"\ninner_steps = 4",
+            4,
+        ),
+        ("algorithm = \"local-dadam\"\ninner_steps = 4", 4),
+        ("algorithm = \"dadam\"\ntopology = \"ring\"", 12),
+        ("algorithm = \"ddp\"", 12),
+    ] {
+        let (records, anchors) = simulate(&manifest(outer), options(3, rounds));
+        let first = records[0].val_loss.unwrap();
+        let last = records.last().unwrap().val_loss.unwrap();
+        assert!(last < first, "{outer}: {first} → {last}");
+        if outer.contains("ddp") {
+            assert!(same_bits(&anchors[..1], &anchors[1..2]));
+            assert!(records.iter().all(|r| r.consensus == 0.0));
+        }
+    }
+}
+
+#[test]
+fn lordo_payload_sends_less_than_the_model_and_resyncs_every_k_rounds() {
+    let m = manifest_with(
+        "inner_steps = 2\ninner_optimizer = \"lordo\"\npayload = \"lordo\"",
+        "[lordo]\nrank = 4\nfull_sync_every = 3",
+    );
+    let (records, _) = simulate(&m, options(4, 6));
+    let full: Vec<bool> = records.iter().map(|r| r.full_sync).collect();
+    assert_eq!(full, vec![false, false, true, false, false, true]);
+    let low = records[0].bytes_sent();
+    let model = records[2].bytes_sent();
+    assert!(low * 2 < model, "lordo {low} vs bf16 model {model}");
+    assert!(records.iter().all(|r| r.val_loss.unwrap().is_finite()));
+}
+
+#[test]
+fn adaptive_h_shortens_the_straggler_rounds_only() {
+    let m = manifest("inner_steps = 10\nadaptive_inner_steps = true\nmin_inner_steps = 2");
+    let mut o = options(4, 3);
+    o.stragglers = vec![Straggler {
+        worker: 2,
+        fraction: 0.05,
+    }];
+    let (records, _) = simulate(&m, o);
+    for r in &records {
+        let partner_of_2: Vec<usize> = r
+            .workers
+            .iter()
+            .filter(|w| w.inner_steps < 10)
+            .map(|w| w.worker)
+            .collect();
+        assert!(partner_of_2.contains(&2), "{partner_of_2:?}");
+        assert_eq!(
+            partner_of_2.len(),
+            2,
+            "the straggler and its one-peer partner"
+        );
+    }
+}
+
+#[test]
+fn bad_options_are_refused_with_the_flag_named() {
+    let m = manifest("inner_steps = 2");
+    let dir = tempfile::tempdir().unwrap();
+    let data = Arc::new(TokenDataset::open(&byte_data(dir.path()), 256).unwrap());
+    let mut o = options(4, 1);
+    o.stragglers = vec![Straggler {
+        worker: 4,
+        fraction: 0.1,
+    }];
+    let e = Simulation::new(&m, data.clone(), o)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("--straggler 4:0.1"), "{e}");
+    let e = Simulation::new(&m, data, options(0, 1))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("--workers"), "{e}");
+}
