@@ -112,6 +112,21 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def init_like_gasloc(model, c, std):
+    """gasloc's init (node/src/model.rs): N(0, std²) for matrices and the embedding,
+    N(0, std²/(2·layers)) for o_proj and down_proj, norm gains 1. PyTorch's module defaults
+    (N(0, 1) embeddings) would saturate the softmax of a tied head and fill the backward
+    pass with denormal floats, which are many times slower on x86: not a fair reference."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() < 2:
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.normal_(0.0, std / math.sqrt(2 * c["layers"]))
+            else:
+                p.normal_(0.0, std)
+
+
 def load_tokens(data_dir):
     shards = sorted(p for p in glob.glob(os.path.join(data_dir, "*.bin")) if "_val_" not in p)
     header = np.fromfile(shards[0], dtype="<i4", count=256)
@@ -136,7 +151,9 @@ def main():
     d, o = run["data"], run["optimizer"]
     seq, rows, accum = d["seq_len"], d["micro_batch"], d.get("grad_accum", 1)
     torch.manual_seed(run["seed"])
-    model = Llama(c).to(args.device)
+    model = Llama(c)
+    init_like_gasloc(model, c, run.get("model", {}).get("init_std", 0.02))
+    model = model.to(args.device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
     opt = torch.optim.AdamW(
