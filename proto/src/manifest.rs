@@ -70,7 +70,9 @@ impl std::str::FromStr for Tokenizer {
         match s {
             "gpt2" => Ok(Tokenizer::Gpt2),
             "byte" => Ok(Tokenizer::Byte),
-            other => Err(format!("unknown tokenizer {other:?} (expected gpt2 or byte)")),
+            other => Err(format!(
+                "unknown tokenizer {other:?} (expected gpt2 or byte)"
+            )),
         }
     }
 }
@@ -341,22 +343,31 @@ impl RunManifest {
                 return Err((key, "must be at least 1".into()));
             }
         }
-        if m.d_model % m.n_heads != 0 {
+        if !m.d_model.is_multiple_of(m.n_heads) {
             return Err((
                 "model.n_heads",
-                format!("= {} does not divide model.d_model = {}", m.n_heads, m.d_model),
+                format!(
+                    "= {} does not divide model.d_model = {}",
+                    m.n_heads, m.d_model
+                ),
             ));
         }
-        if m.head_dim() % 2 != 0 {
+        if !m.head_dim().is_multiple_of(2) {
             return Err((
                 "model.n_heads",
-                format!("gives an odd head dimension {} (RoPE needs it even)", m.head_dim()),
+                format!(
+                    "gives an odd head dimension {} (RoPE needs it even)",
+                    m.head_dim()
+                ),
             ));
         }
-        if m.n_heads % m.n_kv_heads != 0 {
+        if !m.n_heads.is_multiple_of(m.n_kv_heads) {
             return Err((
                 "model.n_kv_heads",
-                format!("= {} does not divide model.n_heads = {}", m.n_kv_heads, m.n_heads),
+                format!(
+                    "= {} does not divide model.n_heads = {}",
+                    m.n_kv_heads, m.n_heads
+                ),
             ));
         }
         if m.vocab_size < d.tokenizer.vocab_size() {
@@ -373,7 +384,10 @@ impl RunManifest {
         if d.seq_len > m.max_seq_len {
             return Err((
                 "data.seq_len",
-                format!("= {} exceeds model.max_seq_len = {}", d.seq_len, m.max_seq_len),
+                format!(
+                    "= {} exceeds model.max_seq_len = {}",
+                    d.seq_len, m.max_seq_len
+                ),
             ));
         }
         let finite_positive = [
@@ -399,10 +413,16 @@ impl RunManifest {
             }
         }
         if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
-            return Err(("optimizer.weight_decay", format!("= {} must be ≥ 0", o.weight_decay)));
+            return Err((
+                "optimizer.weight_decay",
+                format!("= {} must be ≥ 0", o.weight_decay),
+            ));
         }
         if !(o.grad_clip.is_finite() && o.grad_clip >= 0.0) {
-            return Err(("optimizer.grad_clip", format!("= {} must be ≥ 0", o.grad_clip)));
+            return Err((
+                "optimizer.grad_clip",
+                format!("= {} must be ≥ 0", o.grad_clip),
+            ));
         }
         if o.decay_steps == 0 || o.warmup_steps > o.decay_steps {
             return Err((
@@ -458,10 +478,7 @@ fn resolve_model(
         max_seq_len: s.max_seq_len.unwrap_or(data.seq_len.max(1024)),
         rope_theta: s.rope_theta.unwrap_or(500_000.0),
         norm_eps: s.norm_eps.unwrap_or(1e-5),
-        tie_embeddings: s
-            .tie_embeddings
-            .or(preset.map(|p| p.4))
-            .unwrap_or(false),
+        tie_embeddings: s.tie_embeddings.or(preset.map(|p| p.4)).unwrap_or(false),
         init_std: s.init_std.unwrap_or(0.02),
         cuda_compute: s.cuda_compute.unwrap_or(CudaCompute::Bf16),
     })
@@ -487,12 +504,18 @@ decay_steps = 100
     #[test]
     fn presets_resolve_to_the_named_shapes() {
         let m = RunManifest::parse(TINY, "t").unwrap();
-        assert_eq!((m.model.d_model, m.model.n_layers, m.model.vocab_size), (64, 2, 256));
+        assert_eq!(
+            (m.model.d_model, m.model.n_layers, m.model.vocab_size),
+            (64, 2, 256)
+        );
         let big = TINY
             .replace("\"tiny\"", "\"125m\"")
             .replace("\"byte\"", "\"gpt2\"");
         let m = RunManifest::parse(&big, "t").unwrap();
-        assert_eq!((m.model.d_model, m.model.n_layers, m.model.n_heads), (768, 12, 12));
+        assert_eq!(
+            (m.model.d_model, m.model.n_layers, m.model.n_heads),
+            (768, 12, 12)
+        );
         assert_eq!((m.model.vocab_size, m.model.ffn_hidden), (50304, 2048));
         let p = m.model.parameter_count();
         assert!((120_000_000..130_000_000).contains(&p), "{p}");
@@ -502,7 +525,10 @@ decay_steps = 100
     fn run_id_ignores_comments_and_spelled_out_defaults() {
         let a = RunManifest::parse(TINY, "a").unwrap();
         let b = RunManifest::parse(
-            &format!("# a comment\n{}", TINY.replace("decay_steps = 100", "decay_steps = 100\nlr = 4e-4")),
+            &format!(
+                "# a comment\n{}",
+                TINY.replace("decay_steps = 100", "decay_steps = 100\nlr = 4e-4")
+            ),
             "b",
         )
         .unwrap();
@@ -516,10 +542,14 @@ decay_steps = 100
     fn unknown_keys_and_bad_values_name_the_key() {
         let e = RunManifest::parse(&TINY.replace("seq_len", "seq_length"), "x.toml").unwrap_err();
         assert!(e.to_string().contains("seq_length"), "{e}");
-        let e = RunManifest::parse(&TINY.replace("size = \"tiny\"", "size = \"tiny\"\nn_heads = 3"), "x")
-            .unwrap_err();
+        let e = RunManifest::parse(
+            &TINY.replace("size = \"tiny\"", "size = \"tiny\"\nn_heads = 3"),
+            "x",
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("model.n_heads"), "{e}");
-        let e = RunManifest::parse(&TINY.replace("micro_batch = 4", "micro_batch = 0"), "x").unwrap_err();
+        let e = RunManifest::parse(&TINY.replace("micro_batch = 4", "micro_batch = 0"), "x")
+            .unwrap_err();
         assert!(e.to_string().contains("data.micro_batch"), "{e}");
         let e = RunManifest::parse(&TINY.replace("\"tiny\"", "\"huge\""), "x").unwrap_err();
         assert!(e.to_string().contains("model.size"), "{e}");
