@@ -1,5 +1,313 @@
 //! `gasloc-node`: the volunteer's command-line entry point.
+//!
+//! Each subcommand is a thin shell over the library: it parses flags, opens files, and
+//! reports in `key=value` lines on stdout (diagnostics go to stderr through `tracing`).
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use gasloc_data::prepare::{prepare, PrepareOptions};
+use gasloc_data::shards::TokenDataset;
+use gasloc_data::stream::{validation_batches, WorkerSlot};
+use gasloc_node::checkpoint;
+use gasloc_node::device::{device_name, parse_device};
+use gasloc_node::trainer::{self, Trainer};
+use gasloc_proto::{RunManifest, Tokenizer};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Parser)]
+#[command(
+    name = "gasloc-node",
+    version,
+    about = "gasloc volunteer node: train a language model together"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train the run's model on this machine alone.
+    Train(TrainArgs),
+    /// Print the validation loss of a checkpoint.
+    Eval(EvalArgs),
+    /// Token data tools.
+    #[command(subcommand)]
+    Data(DataCommand),
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// The run manifest (TOML).
+    #[arg(long)]
+    run: PathBuf,
+    /// Directory of llm.c token shards.
+    #[arg(long)]
+    data: PathBuf,
+    /// Optimizer steps to run in this invocation.
+    #[arg(long)]
+    steps: u64,
+    /// Where checkpoints go (one `step_N/` directory per save and a `latest` pointer).
+    #[arg(long)]
+    checkpoint_dir: PathBuf,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    device: String,
+    /// Continue from the latest checkpoint in --checkpoint-dir.
+    #[arg(long, conflicts_with = "init_from")]
+    resume: bool,
+    /// Start from the parameters of a Hugging Face Llama (or gasloc) checkpoint directory.
+    #[arg(long)]
+    init_from: Option<PathBuf>,
+    /// Steps between log lines (each reports the mean loss since the previous one).
+    #[arg(long, default_value_t = 10)]
+    log_interval: u64,
+    /// Steps between checkpoints (0: only at the end).
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: u64,
+    /// Step directories to keep.
+    #[arg(long, default_value_t = 2)]
+    keep_checkpoints: usize,
+    /// This worker's index and the number of workers sharing the data (disjoint streams).
+    #[arg(long, default_value_t = 0)]
+    worker_index: usize,
+    #[arg(long, default_value_t = 1)]
+    worker_count: usize,
+    /// libtorch intra-op threads (0: libtorch's default).
+    #[arg(long, default_value_t = 0)]
+    threads: i32,
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    /// A checkpoint step directory, or a checkpoint root with a `latest` pointer.
+    #[arg(long)]
+    checkpoint: PathBuf,
+    /// Directory of llm.c token shards (its validation shards are used).
+    #[arg(long)]
+    data: PathBuf,
+    /// Validation micro-batches (default: the run manifest's eval.batches).
+    #[arg(long)]
+    batches: Option<usize>,
+    /// The run manifest; needed only for a plain Hugging Face directory.
+    #[arg(long)]
+    run: Option<PathBuf>,
+    #[arg(long, default_value = "auto")]
+    device: String,
+    #[arg(long, default_value_t = 0)]
+    threads: i32,
+}
+
+#[derive(Subcommand)]
+enum DataCommand {
+    /// Tokenize text files into llm.c shards.
+    Prepare(PrepareArgs),
+}
+
+#[derive(Args)]
+struct PrepareArgs {
+    /// Text files or directories (searched recursively for *.txt).
+    #[arg(long, required = true, num_args = 1..)]
+    input: Vec<PathBuf>,
+    /// Output directory for the shards.
+    #[arg(long)]
+    out: PathBuf,
+    /// gpt2 or byte.
+    #[arg(long)]
+    tokenizer: Tokenizer,
+    /// Tokens set aside for the validation shard.
+    #[arg(long, default_value_t = 100_000)]
+    val_tokens: usize,
+    /// Tokens per training shard.
+    #[arg(long, default_value_t = 100_000_000)]
+    shard_tokens: usize,
+}
 
 fn main() {
-    println!("gasloc-node");
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(args) => train(args),
+        Command::Eval(args) => eval(args),
+        Command::Data(DataCommand::Prepare(args)) => data_prepare(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn set_threads(threads: i32) {
+    if threads > 0 {
+        tch::set_num_threads(threads);
+    }
+}
+
+fn train(args: TrainArgs) -> Result<()> {
+    if args.worker_count == 0 || args.worker_index >= args.worker_count {
+        bail!(
+            "--worker-index {} must be below --worker-count {}",
+            args.worker_index,
+            args.worker_count
+        );
+    }
+    if args.log_interval == 0 {
+        bail!("--log-interval must be at least 1");
+    }
+    let manifest = RunManifest::load(&args.run)?;
+    let device = parse_device(&args.device)?;
+    set_threads(args.threads);
+    let data = Arc::new(TokenDataset::open(
+        &args.data,
+        manifest.data.tokenizer.vocab_size(),
+    )?);
+    let slot = WorkerSlot {
+        index: args.worker_index,
+        count: args.worker_count,
+    };
+    let has_checkpoint = checkpoint::exists(&args.checkpoint_dir);
+    let mut trainer = if args.resume {
+        if !has_checkpoint {
+            bail!(
+                "--resume: {} holds no checkpoint to resume",
+                args.checkpoint_dir.display()
+            );
+        }
+        Trainer::resume(&manifest, device, data.clone(), slot, &args.checkpoint_dir)?
+    } else {
+        if has_checkpoint {
+            bail!(
+                "{} already holds a checkpoint: pass --resume to continue it, or choose another --checkpoint-dir",
+                args.checkpoint_dir.display()
+            );
+        }
+        match &args.init_from {
+            Some(dir) => Trainer::init_from(&manifest, device, data.clone(), slot, dir)?,
+            None => Trainer::new(&manifest, device, data.clone(), slot)?,
+        }
+    };
+    let val = if data.val_tokens() > 0 {
+        validation_batches(
+            &data,
+            manifest.data.seq_len,
+            manifest.data.micro_batch,
+            manifest.eval.batches,
+        )?
+    } else {
+        tracing::warn!(
+            "{} has no validation shard: no val_loss",
+            args.data.display()
+        );
+        Vec::new()
+    };
+
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register(signal, stop.clone()).context("installing signal handlers")?;
+    }
+    println!(
+        "run_id={} model_params={} device={} start_step={} train_tokens={} val_tokens={}",
+        manifest.run_id(),
+        manifest.model.parameter_count(),
+        device_name(device),
+        trainer.step_count(),
+        data.train_tokens(),
+        data.val_tokens()
+    );
+
+    let mut window_loss = 0.0;
+    let mut window_steps = 0u64;
+    let mut window_tokens = 0usize;
+    let mut window_start = Instant::now();
+    for i in 1..=args.steps {
+        let report = trainer.step()?;
+        window_loss += report.loss;
+        window_steps += 1;
+        window_tokens += report.tokens;
+        if i % args.log_interval == 0 || i == args.steps {
+            let secs = window_start.elapsed().as_secs_f64().max(1e-9);
+            println!(
+                "step={} loss={:.4} lr={:.3e} grad_norm={:.3} tokens_per_s={:.0}",
+                report.step,
+                window_loss / window_steps as f64,
+                report.lr,
+                report.grad_norm,
+                window_tokens as f64 / secs
+            );
+            (window_loss, window_steps, window_tokens) = (0.0, 0, 0);
+            window_start = Instant::now();
+        }
+        if !val.is_empty() && report.step % manifest.eval.interval == 0 {
+            println!(
+                "step={} val_loss={:.4}",
+                report.step,
+                trainer.evaluate(&val)
+            );
+        }
+        let last = i == args.steps || stop.load(Ordering::Relaxed);
+        if args.checkpoint_every > 0 && i % args.checkpoint_every == 0 && !last {
+            checkpoint::save(
+                &args.checkpoint_dir,
+                &trainer.checkpoint(),
+                args.keep_checkpoints,
+            )?;
+        }
+        if stop.load(Ordering::Relaxed) {
+            eprintln!("stopping early on a signal after step {}", report.step);
+            break;
+        }
+    }
+    let dir = checkpoint::save(
+        &args.checkpoint_dir,
+        &trainer.checkpoint(),
+        args.keep_checkpoints,
+    )?;
+    println!("step={} checkpoint={}", trainer.step_count(), dir.display());
+    Ok(())
+}
+
+fn eval(args: EvalArgs) -> Result<()> {
+    let device = parse_device(&args.device)?;
+    set_threads(args.threads);
+    let given = args.run.as_deref().map(RunManifest::load).transpose()?;
+    let dir = checkpoint::resolve(&args.checkpoint)?;
+    let ckpt = checkpoint::load(&dir, given.as_ref())?;
+    let m = &ckpt.manifest;
+    let data = TokenDataset::open(&args.data, m.data.tokenizer.vocab_size())?;
+    if data.val_tokens() == 0 {
+        bail!(
+            "{} has no validation shard (*_val_*.bin)",
+            args.data.display()
+        );
+    }
+    let batches = args.batches.unwrap_or(m.eval.batches);
+    if batches == 0 {
+        bail!("--batches must be at least 1");
+    }
+    let val = validation_batches(&data, m.data.seq_len, m.data.micro_batch, batches)?;
+    let (_vs, model) = trainer::model_from_checkpoint(&ckpt, &dir, device)?;
+    let loss = trainer::evaluate(&model, device, &val);
+    println!("val_loss={loss:.6}");
+    Ok(())
+}
+
+fn data_prepare(args: PrepareArgs) -> Result<()> {
+    let report = prepare(&PrepareOptions {
+        inputs: args.input,
+        out: args.out,
+        tokenizer: args.tokenizer,
+        val_tokens: args.val_tokens,
+        shard_tokens: args.shard_tokens,
+        progress: true,
+    })?;
+    println!("{report}");
+    Ok(())
 }

@@ -1,0 +1,62 @@
+# gasloc — the two commands a new user types are `make demo` and `make test`.
+# Everything they need is installed here, idempotently: a .venv with the PyPI torch wheel
+# (libtorch for tch), transformers for the parity test, and the demo data.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+VENV    := $(CURDIR)/.venv
+PYTHON  := $(VENV)/bin/python
+DATA    := $(CURDIR)/datasets
+TORCH_VERSION := 2.11.0
+
+# tch's build script asks the `python3` on PATH where torch is (LIBTORCH_USE_PYTORCH=1);
+# node/build.rs asks the same one for the rpath.
+export PATH := $(VENV)/bin:$(PATH)
+export LIBTORCH_USE_PYTORCH := 1
+export GASLOC_PYTHON := $(PYTHON)
+
+NODE := target/debug/gasloc-node
+
+.PHONY: help setup venv build demo-data demo test bench clean
+
+help:
+	@echo "make demo   set up, build, and train on the bundled Shakespeare data"
+	@echo "make test   set up, then formatting, clippy (warnings denied) and every test"
+	@echo "make setup  the .venv with torch $(TORCH_VERSION) + transformers, and the demo data"
+	@echo "make bench  the benchmarks in bench/ (see docs/performance.md)"
+
+setup: venv demo-data
+
+venv: $(VENV)/.ready
+
+$(VENV)/.ready:
+	@command -v python3 >/dev/null || { echo "python3 is needed (3.10+)"; exit 1; }
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check \
+		"torch==$(TORCH_VERSION)" numpy transformers safetensors
+	$(PYTHON) -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+	touch $@
+
+build: venv
+	cargo build --workspace
+
+demo-data: build
+	bash deploy/demo-data.sh $(NODE) $(DATA)
+
+demo: setup
+	bash deploy/demo.sh $(NODE) $(DATA)
+
+test: setup
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	cargo test --workspace
+
+bench: setup
+	cargo build --release --workspace
+	bash bench/train_throughput.sh
+
+clean:
+	cargo clean
+	rm -rf $(DATA)
