@@ -504,6 +504,17 @@ fn encoded_bound(raw_len: usize, zstd: bool) -> u64 {
     }
 }
 
+/// Sends the header and payload, then closes our side of the stream (FIN).
+pub async fn send_and_close<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    header: &ExchangeHeader,
+    payload: &OutgoingPayload,
+) -> Result<(), ExchangeError> {
+    send_payload(w, header, payload).await?;
+    w.close().await?;
+    Ok(())
+}
+
 /// Writes a refusal frame and closes the stream.
 pub async fn refuse<W: AsyncWrite + Unpin>(w: &mut W, refusal: &Refusal) -> std::io::Result<()> {
     write_frame(w, FRAME_REFUSAL, &[&refusal.encode_to_vec()]).await?;
@@ -547,11 +558,7 @@ pub async fn run_initiator<S: AsyncRead + AsyncWrite + Unpin>(
     limits: &ExchangeLimits,
 ) -> Result<TensorSet, ExchangeError> {
     let (mut r, mut w) = stream.split();
-    let send = async {
-        send_payload(&mut w, my_header, payload).await?;
-        w.close().await?;
-        Ok(())
-    };
+    let send = send_and_close(&mut w, my_header, payload);
     let receive = async {
         let header = read_checked_header(&mut r, expect, limits).await?;
         receive_tensors(&mut r, &header).await
@@ -568,11 +575,7 @@ pub async fn run_responder<S: AsyncRead + AsyncWrite + Unpin>(
     payload: &OutgoingPayload,
 ) -> Result<TensorSet, ExchangeError> {
     let (mut r, mut w) = stream.split();
-    let send = async {
-        send_payload(&mut w, my_header, payload).await?;
-        w.close().await?;
-        Ok(())
-    };
+    let send = send_and_close(&mut w, my_header, payload);
     let receive = receive_tensors(&mut r, their_header);
     send_and_receive(send, receive).await
 }

@@ -399,12 +399,7 @@ async fn handle_exchange(inner: &Inner, peer: PeerId, mut stream: Stream) -> Inb
         round: None,
         outcome: Err(String::new()),
     };
-    let first = tokio::time::timeout(
-        cfg.header_timeout,
-        read_first_frame(&mut stream, &cfg.limits),
-    )
-    .await
-    .unwrap_or(Err(ExchangeError::Deadline(cfg.header_timeout)));
+    let first = read_first_frame_in_time(&mut stream, cfg).await;
     let header = match first {
         Ok(FirstFrame::Header(h)) => h,
         Ok(_) => {
@@ -463,12 +458,7 @@ async fn handle_state_request(inner: &Inner, peer: PeerId, mut stream: Stream) -
         round: None,
         outcome: Err(String::new()),
     };
-    let first = tokio::time::timeout(
-        cfg.header_timeout,
-        read_first_frame(&mut stream, &cfg.limits),
-    )
-    .await
-    .unwrap_or(Err(ExchangeError::Deadline(cfg.header_timeout)));
+    let first = read_first_frame_in_time(&mut stream, cfg).await;
     match first {
         Ok(FirstFrame::StateRequest(request)) if request.run_id == cfg.run_id => {}
         Ok(FirstFrame::StateRequest(request)) => {
@@ -508,6 +498,16 @@ async fn handle_state_request(inner: &Inner, peer: PeerId, mut stream: Stream) -
         outcome: sent.map_err(|e| e.to_string()),
         ..report
     }
+}
+
+/// The first frame of an inbound stream, within the configured header timeout.
+async fn read_first_frame_in_time(
+    stream: &mut Stream,
+    cfg: &ExchangeConfig,
+) -> Result<FirstFrame, ExchangeError> {
+    tokio::time::timeout(cfg.header_timeout, read_first_frame(stream, &cfg.limits))
+        .await
+        .unwrap_or(Err(ExchangeError::Deadline(cfg.header_timeout)))
 }
 
 async fn refuse_and_report(
