@@ -239,6 +239,7 @@ pub async fn start(keypair: Keypair, config: NetworkConfig) -> anyhow::Result<Ne
         pending_dials: HashMap::new(),
         bootstrap_peers,
         relayed: HashMap::new(),
+        lookups: HashMap::new(),
     };
     let task = tokio::spawn(event_loop.run());
     Ok(Network {
@@ -266,7 +267,12 @@ pub struct EventLoop {
     pending_dials: HashMap<ConnectionId, oneshot::Sender<Result<(), String>>>,
     bootstrap_peers: HashSet<PeerId>,
     relayed: HashMap<PeerId, Vec<ConnectionId>>,
+    /// When a Kademlia lookup for a control-message author was last started.
+    lookups: HashMap<PeerId, Instant>,
 }
+
+/// Minimum time between two lookups of the same author.
+const LOOKUP_INTERVAL: Duration = Duration::from_secs(10);
 
 impl EventLoop {
     async fn run(mut self) {
@@ -502,8 +508,27 @@ impl EventLoop {
             .gossipsub
             .report_message_validation_result(&message_id, &propagation_source, acceptance);
         if let Ok((source, message)) = verdict {
+            self.find_author(source);
             self.emit(NetworkEvent::Control { source, message });
         }
+    }
+
+    /// Round partners are taken from the control plane's authors: look up the address of an
+    /// author this node is not connected to, so that an exchange stream can be opened later.
+    fn find_author(&mut self, peer: PeerId) {
+        if peer == *self.swarm.local_peer_id() || self.swarm.is_connected(&peer) {
+            return;
+        }
+        let now = Instant::now();
+        if self
+            .lookups
+            .get(&peer)
+            .is_some_and(|last| now.duration_since(*last) < LOOKUP_INTERVAL)
+        {
+            return;
+        }
+        self.lookups.insert(peer, now);
+        self.swarm.behaviour_mut().kad.get_closest_peers(peer);
     }
 
     fn on_manifest_event(
