@@ -37,6 +37,8 @@ enum Command {
     /// Token data tools.
     #[command(subcommand)]
     Data(DataCommand),
+    /// Join a run's swarm through its bootstrap nodes (today with --synthetic only).
+    Join(gasloc_p2p::join::JoinArgs),
 }
 
 #[derive(Args)]
@@ -138,6 +140,7 @@ fn main() {
         Command::Train(args) => train(args),
         Command::Eval(args) => eval(args),
         Command::Data(DataCommand::Prepare(args)) => data_prepare(args),
+        Command::Join(args) => gasloc_p2p::join::run_blocking(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
