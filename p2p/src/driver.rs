@@ -153,6 +153,7 @@ impl RoundDriver {
                     rand::rng().fill_bytes(&mut nonce);
                     match self.schedule.join_round(next_round, nonce, now) {
                         Ok(Action::PublishCommit { round, commitment }) => {
+                            self.service.advance_floor(round);
                             self.publish(
                                 round,
                                 Body::Commit(Commit {

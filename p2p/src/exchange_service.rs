@@ -73,6 +73,9 @@ struct RoundSlot {
 struct ServiceState {
     /// Rounds below this are over: their streams are refused as old.
     floor: u64,
+    /// Whether this node has told the service where it is (a floor or a round). Before
+    /// that, a stream for any round waits for the round to be registered.
+    positioned: bool,
     rounds: HashMap<u64, RoundSlot>,
     state: Option<(u64, Arc<OutgoingPayload>)>,
 }
@@ -140,10 +143,13 @@ impl ExchangeService {
         self.inner.reports.subscribe()
     }
 
-    /// Streams for rounds below `round` are refused as old from now on.
+    /// Streams for rounds below `round` are refused as old from now on, and streams for
+    /// rounds more than one ahead of the newest known round as future (the round driver
+    /// calls this when it starts a round).
     pub fn advance_floor(&self, round: u64) {
         let mut st = self.inner.state.lock().expect("exchange state lock");
         st.floor = st.floor.max(round);
+        st.positioned = true;
         drop(st);
         self.inner.changed.notify_waiters();
     }
@@ -178,6 +184,7 @@ impl ExchangeService {
         let mut receivers = HashMap::new();
         {
             let mut st = self.inner.state.lock().expect("exchange state lock");
+            st.positioned = true;
             let mut waiting = HashMap::new();
             for peer in neighbours {
                 if peer.to_bytes() > me_bytes {
@@ -378,7 +385,7 @@ async fn claim_slot(
                 .copied()
                 .unwrap_or(st.floor)
                 .max(st.floor);
-            if round > newest + 1 {
+            if st.positioned && round > newest + 1 {
                 return Err(ExchangeError::FutureRound {
                     got: round,
                     expected: newest,

@@ -70,3 +70,38 @@ async fn zstd_encoded_exchange_round_trips() {
     // Odd sizes: chunks that do not divide the tensors, a tensor smaller than a chunk.
     exchange_pair(Transport::Quic, 3 * (1 << 20) + 12, 3, Some(3)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_arrives_before_the_responder_reaches_the_round_waits_for_it() {
+    init_tracing();
+    let keys = sorted_keypairs(2);
+    let a = start(keys[0].clone(), Transport::Tcp, vec![]).await;
+    let b = start(keys[1].clone(), Transport::Tcp, vec![full_addr(&a)]).await;
+    let (pa, pb) = (a.client.peer_id(), b.client.peer_id());
+    wait_connected(&a, pb).await;
+    let (sa, sb) = (service(&a), service(&b));
+    let pay = Arc::new(OutgoingPayload::new(
+        PayloadKind::Model,
+        Arc::new(TensorSet::synthetic(1, 1 << 20, 5)),
+        SendOptions::default(),
+    ));
+    // a opens the stream (smaller peer id) for round 1000 while b has not started any round.
+    let early = {
+        let (sa, pay) = (sa.clone(), pay.clone());
+        tokio::spawn(async move {
+            sa.exchange_round(1000, &[pb], pay, None, Duration::from_secs(20))
+                .await
+        })
+    };
+    let mut reports = sb.reports();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        reports.try_recv().is_err(),
+        "b has not refused the early stream"
+    );
+    let late = sb
+        .exchange_round(1000, &[pa], pay.clone(), None, Duration::from_secs(20))
+        .await;
+    assert!(late[0].1.is_ok(), "{:?}", late[0].1);
+    assert!(early.await.unwrap()[0].1.is_ok());
+}
