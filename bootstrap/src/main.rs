@@ -63,6 +63,40 @@ struct Args {
     /// Discover peers on the LAN with mDNS.
     #[arg(long)]
     mdns: bool,
+    /// Serve a JSON status (run, peer id, connected and topic peers) over HTTP on this
+    /// address, e.g. 127.0.0.1:9090 (port 0 picks one; the address is printed as status=…).
+    #[arg(long)]
+    status_addr: Option<std::net::SocketAddr>,
+}
+
+/// Answers every TCP connection with an HTTP/1.0 response holding one JSON object.
+async fn serve_status(listener: tokio::net::TcpListener, client: network::Client, run_id: String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let Ok((mut socket, _)) = listener.accept().await else {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            continue;
+        };
+        let client = client.clone();
+        let run_id = run_id.clone();
+        tokio::spawn(async move {
+            // Read (and ignore) the request head; answer whatever was asked.
+            let mut request = [0u8; 1024];
+            let _ = tokio::time::timeout(Duration::from_secs(2), socket.read(&mut request)).await;
+            let connected = client.connected_peers().await.unwrap_or_default().len();
+            let topic = client.topic_peers().await.unwrap_or_default().len();
+            let body = format!(
+                "{{\"run_id\":\"{run_id}\",\"peer_id\":\"{}\",\"connected_peers\":{connected},\"topic_peers\":{topic}}}\n",
+                client.peer_id()
+            );
+            let response = format!(
+                "HTTP/1.0 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = socket.write_all(response.as_bytes()).await;
+            let _ = socket.shutdown().await;
+        });
+    }
 }
 
 fn parse_topology(s: &str) -> Result<Topology> {
@@ -124,6 +158,13 @@ async fn main() -> Result<()> {
     println!("peer_id={me}");
     for address in &full {
         println!("listening={address}");
+    }
+    if let Some(addr) = args.status_addr {
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .with_context(|| format!("cannot serve status on {addr}"))?;
+        println!("status={}", listener.local_addr()?);
+        tokio::spawn(serve_status(listener, client.clone(), run_id_hex.clone()));
     }
     if let Some(path) = &args.addr_file {
         let tmp = path.with_extension("tmp");
