@@ -41,6 +41,8 @@ enum Command {
     /// Token data tools.
     #[command(subcommand)]
     Data(DataCommand),
+    /// Join a run's swarm through its bootstrap nodes (today with --synthetic only).
+    Join(gasloc_p2p::join::JoinArgs),
     /// Print a running node's status (its --status-addr) in the terminal.
     Status(StatusArgs),
 }
@@ -190,6 +192,7 @@ fn main() {
         Command::Eval(args) => eval(args),
         Command::Sim(args) => sim(args),
         Command::Data(DataCommand::Prepare(args)) => data_prepare(args),
+        Command::Join(args) => gasloc_p2p::join::run_blocking(args),
         Command::Status(args) => gasloc_status::client::fetch_status(&args.addr)
             .map(|s| print!("{}", gasloc_status::client::format_status(&s))),
     };

@@ -4,8 +4,10 @@
 //! * [`topology`]: round permutations, communication graphs and mixing weights.
 //!
 //! Nothing here depends on libtorch, so the bootstrap node builds without it.
+//! `wire` holds the protobuf messages specified by `proto/gasloc.proto`.
 
 pub mod manifest;
 pub mod topology;
+pub mod wire;
 
 pub use manifest::{RunManifest, Tokenizer};

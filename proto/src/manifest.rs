@@ -534,7 +534,7 @@ impl RunManifest {
                 return Err((key, "must be at least 1".into()));
             }
         }
-        if m.d_model % m.n_heads != 0 {
+        if !m.d_model.is_multiple_of(m.n_heads) {
             return Err((
                 "model.n_heads",
                 format!(
@@ -543,7 +543,7 @@ impl RunManifest {
                 ),
             ));
         }
-        if m.head_dim() % 2 != 0 {
+        if !m.head_dim().is_multiple_of(2) {
             return Err((
                 "model.n_heads",
                 format!(
@@ -552,7 +552,7 @@ impl RunManifest {
                 ),
             ));
         }
-        if m.n_heads % m.n_kv_heads != 0 {
+        if !m.n_heads.is_multiple_of(m.n_kv_heads) {
             return Err((
                 "model.n_kv_heads",
                 format!(

@@ -1,0 +1,105 @@
+//! Network settings: listen and bootstrap addresses, transport windows, timeouts and limits.
+//!
+//! Defaults are chosen to survive minutes of local training between exchanges: the swarm
+//! keeps idle connections for 10 minutes and QUIC keeps connections alive with 10 s pings
+//! inside a 60 s idle timeout.
+
+use libp2p::Multiaddr;
+use std::time::Duration;
+
+/// What a swarm is for: a volunteer node or an always-on bootstrap node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Relay client + DCUtR; Kademlia mode from `kad_server`.
+    Node,
+    /// Kademlia server, relay server, AutoNAT server, manifest server.
+    Bootstrap,
+}
+
+/// Everything `build_swarm` and the event loop need to know.
+#[derive(Debug, Clone)]
+pub struct NetworkConfig {
+    pub role: Role,
+    pub listen: Vec<Multiaddr>,
+    pub bootstrap: Vec<Multiaddr>,
+    /// Discover peers on the LAN with mDNS.
+    pub mdns: bool,
+    /// Run Kademlia in server mode (answer queries, enter others' routing tables). Turn off
+    /// for nodes that are not reachable from outside.
+    pub kad_server: bool,
+    /// How often Kademlia re-runs its bootstrap query (discovers new members).
+    pub discovery_interval: Duration,
+    /// Swarm: how long a connection without streams stays open.
+    pub idle_connection_timeout: Duration,
+    pub quic_max_idle_timeout: Duration,
+    pub quic_keep_alive_interval: Duration,
+    pub quic_max_stream_data: u32,
+    pub quic_max_connection_data: u32,
+    pub max_established_connections: u32,
+    pub max_connections_per_peer: u32,
+    pub max_pending_connections: u32,
+    /// New connections are refused above this fraction of system memory in use by the process.
+    pub max_memory_fraction: f64,
+    pub gossip_heartbeat: Duration,
+    /// Gossipsub `max_transmit_size` and the control plane's own size cap.
+    pub control_max_bytes: usize,
+    /// Control messages accepted per peer within `control_rate_window`.
+    pub control_rate_burst: u32,
+    pub control_rate_window: Duration,
+    /// Relay server limits (bootstrap role).
+    pub relay_max_circuits: usize,
+    pub relay_max_circuit_bytes: u64,
+    pub relay_max_circuit_duration: Duration,
+}
+
+impl NetworkConfig {
+    pub fn new(role: Role) -> Self {
+        NetworkConfig {
+            role,
+            listen: Vec::new(),
+            bootstrap: Vec::new(),
+            mdns: false,
+            kad_server: true,
+            discovery_interval: Duration::from_secs(30),
+            idle_connection_timeout: Duration::from_secs(600),
+            quic_max_idle_timeout: Duration::from_secs(60),
+            quic_keep_alive_interval: Duration::from_secs(10),
+            quic_max_stream_data: 32 << 20,
+            quic_max_connection_data: 64 << 20,
+            max_established_connections: 512,
+            max_connections_per_peer: 4,
+            max_pending_connections: 128,
+            max_memory_fraction: 0.95,
+            gossip_heartbeat: Duration::from_millis(500),
+            control_max_bytes: 4096,
+            control_rate_burst: 64,
+            control_rate_window: Duration::from_secs(10),
+            relay_max_circuits: 64,
+            relay_max_circuit_bytes: 0,
+            relay_max_circuit_duration: Duration::from_secs(3600),
+        }
+    }
+
+    /// Checks values a user can get wrong; the error names the setting.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.quic_keep_alive_interval >= self.quic_max_idle_timeout {
+            return Err(format!(
+                "QUIC keep-alive interval {:?} must be shorter than the idle timeout {:?}",
+                self.quic_keep_alive_interval, self.quic_max_idle_timeout
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.max_memory_fraction) || self.max_memory_fraction == 0.0 {
+            return Err(format!(
+                "max memory fraction {} must be in (0, 1]",
+                self.max_memory_fraction
+            ));
+        }
+        if self.control_max_bytes < 128 {
+            return Err("control message cap below 128 bytes".into());
+        }
+        if self.listen.is_empty() {
+            return Err("no listen address".into());
+        }
+        Ok(())
+    }
+}

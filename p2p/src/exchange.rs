@@ -1,0 +1,593 @@
+//! The exchange wire protocol over any byte stream: headers, chunks, checks, refusals.
+//!
+//! This module owns what one side of `/gasloc/exchange/1` and `/gasloc/state/1` writes and
+//! what it accepts; it does no networking of its own (see `exchange_service`), so it runs
+//! over a libp2p stream as well as over an in-memory pipe. Nothing a peer sends is trusted:
+//! every length is bounded before allocation, every chunk and tensor checksum is verified,
+//! and a result is only returned once the whole payload has passed every check.
+
+use crate::frames::{
+    expect_end, read_frame, read_frame_prefix, write_frame, FrameError, FRAME_CHUNK, FRAME_HEADER,
+    FRAME_REFUSAL, FRAME_STATE_REQUEST,
+};
+use crate::tensors::{Tensor, TensorSet, TensorSpec};
+use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, FutureExt};
+use gasloc_proto::wire::{
+    DType, Encoding, ExchangeHeader, PayloadKind, Refusal, RefusalReason, StateRequest,
+    TensorEntry, DIGEST_LEN,
+};
+use libp2p::PeerId;
+use prost::Message;
+use std::sync::Arc;
+
+/// Everything that can end an exchange without a result. The receiver's state is never
+/// touched when one of these is returned.
+#[derive(Debug, thiserror::Error)]
+pub enum ExchangeError {
+    #[error("i/o error: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("stream ended early while reading {0}")]
+    Truncated(&'static str),
+    #[error("{what} of {len} bytes exceeds the limit of {max}")]
+    TooLarge {
+        what: &'static str,
+        len: u64,
+        max: u64,
+    },
+    #[error("malformed {what}: {detail}")]
+    Malformed { what: &'static str, detail: String },
+    #[error("header is for run {got}, not this run")]
+    WrongRun { got: String },
+    #[error("header is for round {got}, older than the expected round {expected}")]
+    OldRound { got: u64, expected: u64 },
+    #[error("header is for round {got}, ahead of the expected round {expected}")]
+    FutureRound { got: u64, expected: u64 },
+    #[error("peer {peer} is not a neighbour of this node in round {round}")]
+    NotANeighbour { peer: PeerId, round: u64 },
+    #[error("header names sender {claimed} but the stream is authenticated as {actual}")]
+    SenderMismatch { claimed: String, actual: PeerId },
+    #[error("payload kind {got:?}, expected {expected:?}")]
+    WrongKind { got: i32, expected: PayloadKind },
+    #[error("tensor table does not match the model: {0}")]
+    TableMismatch(String),
+    #[error("chunk {chunk} of tensor {tensor}: checksum mismatch")]
+    ChunkChecksum { tensor: String, chunk: u64 },
+    #[error("tensor {0}: checksum of the assembled bytes does not match the header")]
+    TensorChecksum(String),
+    #[error("refused by the peer ({reason:?}): {message}")]
+    Refused {
+        reason: RefusalReason,
+        message: String,
+    },
+    #[error("unexpected frame kind {0}")]
+    UnexpectedFrame(u8),
+    #[error("no result within the deadline of {0:?}")]
+    Deadline(std::time::Duration),
+    #[error("could not open a stream to the peer: {0}")]
+    Open(String),
+    #[error("exchange cancelled: {0}")]
+    Cancelled(String),
+}
+
+impl ExchangeError {
+    fn from_frame(e: FrameError, what: &'static str) -> Self {
+        match e {
+            FrameError::Eof | FrameError::Truncated => ExchangeError::Truncated(what),
+            FrameError::TooLarge { len, max, .. } => ExchangeError::TooLarge { what, len, max },
+            FrameError::Io(e) => ExchangeError::Io(e),
+        }
+    }
+
+    /// The refusal a receiver sends back for this error, if it is the sender's fault.
+    pub fn refusal(&self) -> Option<Refusal> {
+        let reason = match self {
+            ExchangeError::WrongRun { .. } => RefusalReason::WrongRun,
+            ExchangeError::OldRound { .. } => RefusalReason::OldRound,
+            ExchangeError::FutureRound { .. } => RefusalReason::FutureRound,
+            ExchangeError::NotANeighbour { .. } | ExchangeError::SenderMismatch { .. } => {
+                RefusalReason::NotANeighbour
+            }
+            ExchangeError::TableMismatch(_)
+            | ExchangeError::WrongKind { .. }
+            | ExchangeError::Malformed { .. } => RefusalReason::TableMismatch,
+            ExchangeError::TooLarge { .. } => RefusalReason::TooLarge,
+            _ => return None,
+        };
+        Some(Refusal {
+            reason: reason as i32,
+            message: self.to_string(),
+        })
+    }
+}
+
+/// Bounds on what a receiver accepts.
+#[derive(Debug, Clone)]
+pub struct ExchangeLimits {
+    /// Largest encoded header.
+    pub max_header_bytes: u32,
+    /// Largest `chunk_size` a sender may announce.
+    pub max_chunk_size: u32,
+    /// Largest sum of tensor byte lengths.
+    pub max_payload_bytes: u64,
+    /// Most tensors in one table.
+    pub max_tensors: usize,
+}
+
+impl Default for ExchangeLimits {
+    fn default() -> Self {
+        ExchangeLimits {
+            max_header_bytes: 4 << 20,
+            max_chunk_size: 16 << 20,
+            max_payload_bytes: 32 << 30,
+            max_tensors: 1 << 16,
+        }
+    }
+}
+
+/// How a sender cuts and encodes its payload.
+#[derive(Debug, Clone)]
+pub struct SendOptions {
+    pub chunk_size: u32,
+    /// `None`: raw chunks; `Some(level)`: every chunk is a zstd frame at that level.
+    pub zstd_level: Option<i32>,
+}
+
+impl Default for SendOptions {
+    fn default() -> Self {
+        SendOptions {
+            chunk_size: 1 << 20,
+            zstd_level: None,
+        }
+    }
+}
+
+/// A payload ready to send to any number of peers: tensors plus their table and checksums,
+/// computed once.
+#[derive(Debug)]
+pub struct OutgoingPayload {
+    pub kind: PayloadKind,
+    pub set: Arc<TensorSet>,
+    entries: Vec<TensorEntry>,
+    options: SendOptions,
+}
+
+impl OutgoingPayload {
+    pub fn new(kind: PayloadKind, set: Arc<TensorSet>, options: SendOptions) -> Self {
+        let encoding = match options.zstd_level {
+            Some(_) => Encoding::Zstd,
+            None => Encoding::Raw,
+        };
+        let entries = set
+            .tensors
+            .iter()
+            .map(|t| TensorEntry {
+                name: t.name.clone(),
+                dtype: t.dtype as i32,
+                shape: t.shape.clone(),
+                encoding: encoding as i32,
+                byte_length: t.data.len() as u64,
+                checksum: blake3::hash(&t.data).as_bytes().to_vec(),
+            })
+            .collect();
+        OutgoingPayload {
+            kind,
+            set,
+            entries,
+            options,
+        }
+    }
+
+    /// The header this payload is sent with.
+    pub fn header(&self, run_id: &[u8; DIGEST_LEN], round: u64, sender: &PeerId) -> ExchangeHeader {
+        ExchangeHeader {
+            run_id: run_id.to_vec(),
+            round,
+            sender: sender.to_bytes(),
+            kind: self.kind as i32,
+            tensors: self.entries.clone(),
+            chunk_size: self.options.chunk_size,
+        }
+    }
+}
+
+/// Writes `header` and then every chunk of `payload`; returns the bytes written.
+pub async fn send_payload<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    header: &ExchangeHeader,
+    payload: &OutgoingPayload,
+) -> Result<u64, ExchangeError> {
+    let header_bytes = header.encode_to_vec();
+    write_frame(w, FRAME_HEADER, &[&header_bytes]).await?;
+    let mut written = 5 + header_bytes.len() as u64;
+    let chunk_size = header.chunk_size.max(1) as usize;
+    for tensor in &payload.set.tensors {
+        for chunk in tensor.data.chunks(chunk_size) {
+            let encoded;
+            let bytes: &[u8] = match payload.options.zstd_level {
+                Some(level) => {
+                    encoded = zstd::bulk::compress(chunk, level)?;
+                    &encoded
+                }
+                None => chunk,
+            };
+            let checksum = blake3::hash(bytes);
+            write_frame(w, FRAME_CHUNK, &[checksum.as_bytes(), bytes]).await?;
+            written += 5 + DIGEST_LEN as u64 + bytes.len() as u64;
+        }
+    }
+    w.flush().await?;
+    Ok(written)
+}
+
+/// What a receiver checks a header against.
+#[derive(Debug, Clone)]
+pub struct Expectation {
+    pub run_id: [u8; DIGEST_LEN],
+    /// `Some(r)`: only round `r`; `None`: any round (state sync).
+    pub round: Option<u64>,
+    /// The authenticated remote peer.
+    pub sender: PeerId,
+    pub kind: PayloadKind,
+    /// `Some`: the exact table (names, dtypes, shapes, in order); `None`: any valid table.
+    pub table: Option<Arc<Vec<TensorSpec>>>,
+}
+
+/// Checks a decoded header against the expectation and the limits.
+pub fn check_header(
+    h: &ExchangeHeader,
+    e: &Expectation,
+    limits: &ExchangeLimits,
+) -> Result<(), ExchangeError> {
+    if h.run_id != e.run_id {
+        return Err(ExchangeError::WrongRun {
+            got: hex::encode(&h.run_id),
+        });
+    }
+    if h.sender != e.sender.to_bytes() {
+        return Err(ExchangeError::SenderMismatch {
+            claimed: PeerId::from_bytes(&h.sender)
+                .map(|p| p.to_string())
+                .unwrap_or_else(|_| hex::encode(&h.sender)),
+            actual: e.sender,
+        });
+    }
+    if let Some(expected) = e.round {
+        if h.round < expected {
+            return Err(ExchangeError::OldRound {
+                got: h.round,
+                expected,
+            });
+        }
+        if h.round > expected {
+            return Err(ExchangeError::FutureRound {
+                got: h.round,
+                expected,
+            });
+        }
+    }
+    if h.kind != e.kind as i32 {
+        return Err(ExchangeError::WrongKind {
+            got: h.kind,
+            expected: e.kind,
+        });
+    }
+    if h.chunk_size == 0 || h.chunk_size > limits.max_chunk_size {
+        return Err(ExchangeError::TooLarge {
+            what: "chunk size",
+            len: h.chunk_size.into(),
+            max: limits.max_chunk_size.into(),
+        });
+    }
+    if h.tensors.len() > limits.max_tensors {
+        return Err(ExchangeError::TooLarge {
+            what: "tensor table",
+            len: h.tensors.len() as u64,
+            max: limits.max_tensors as u64,
+        });
+    }
+    let mut total = 0u64;
+    for entry in &h.tensors {
+        let dtype = DType::try_from(entry.dtype).map_err(|_| malformed_entry(entry, "dtype"))?;
+        Encoding::try_from(entry.encoding)
+            .ok()
+            .filter(|e| *e != Encoding::Unspecified)
+            .ok_or_else(|| malformed_entry(entry, "encoding"))?;
+        let len = TensorSpec::byte_length_of(dtype, &entry.shape)
+            .ok_or_else(|| malformed_entry(entry, "shape or dtype"))?;
+        if len != entry.byte_length {
+            return Err(malformed_entry(entry, "byte length"));
+        }
+        if entry.checksum.len() != DIGEST_LEN {
+            return Err(malformed_entry(entry, "checksum length"));
+        }
+        total = total.saturating_add(len);
+    }
+    if total > limits.max_payload_bytes {
+        return Err(ExchangeError::TooLarge {
+            what: "payload",
+            len: total,
+            max: limits.max_payload_bytes,
+        });
+    }
+    if let Some(table) = &e.table {
+        if table.len() != h.tensors.len() {
+            return Err(ExchangeError::TableMismatch(format!(
+                "{} tensors, expected {}",
+                h.tensors.len(),
+                table.len()
+            )));
+        }
+        for (got, want) in h.tensors.iter().zip(table.iter()) {
+            if got.name != want.name || got.dtype != want.dtype as i32 || got.shape != want.shape {
+                return Err(ExchangeError::TableMismatch(format!(
+                    "got {} {:?} {:?}, expected {} {:?} {:?}",
+                    got.name,
+                    DType::try_from(got.dtype).unwrap_or(DType::Unspecified),
+                    got.shape,
+                    want.name,
+                    want.dtype,
+                    want.shape
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn malformed_entry(entry: &TensorEntry, field: &str) -> ExchangeError {
+    ExchangeError::Malformed {
+        what: "tensor table",
+        detail: format!("tensor {:?}: invalid {field}", entry.name),
+    }
+}
+
+/// The first frame a stream can open with.
+#[derive(Debug)]
+pub enum FirstFrame {
+    Header(ExchangeHeader),
+    Refusal(Refusal),
+    StateRequest(StateRequest),
+}
+
+/// Reads and decodes the first frame of a stream.
+pub async fn read_first_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    limits: &ExchangeLimits,
+) -> Result<FirstFrame, ExchangeError> {
+    let max = u64::from(limits.max_header_bytes);
+    let (kind, body) = read_frame(r, |_| max)
+        .await
+        .map_err(|e| ExchangeError::from_frame(e, "header"))?;
+    let malformed = |e: prost::DecodeError| ExchangeError::Malformed {
+        what: "header",
+        detail: e.to_string(),
+    };
+    match kind {
+        FRAME_HEADER => Ok(FirstFrame::Header(
+            ExchangeHeader::decode(body.as_slice()).map_err(malformed)?,
+        )),
+        FRAME_REFUSAL => Ok(FirstFrame::Refusal(
+            Refusal::decode(body.as_slice()).map_err(malformed)?,
+        )),
+        FRAME_STATE_REQUEST => Ok(FirstFrame::StateRequest(
+            StateRequest::decode(body.as_slice()).map_err(malformed)?,
+        )),
+        other => Err(ExchangeError::UnexpectedFrame(other)),
+    }
+}
+
+/// Reads the first frame and requires a header that passes [`check_header`]; a refusal
+/// from the peer becomes [`ExchangeError::Refused`].
+pub async fn read_checked_header<R: AsyncRead + Unpin>(
+    r: &mut R,
+    expect: &Expectation,
+    limits: &ExchangeLimits,
+) -> Result<ExchangeHeader, ExchangeError> {
+    match read_first_frame(r, limits).await? {
+        FirstFrame::Header(h) => {
+            check_header(&h, expect, limits)?;
+            Ok(h)
+        }
+        FirstFrame::Refusal(refusal) => Err(ExchangeError::Refused {
+            reason: RefusalReason::try_from(refusal.reason).unwrap_or(RefusalReason::Unspecified),
+            message: refusal.message,
+        }),
+        FirstFrame::StateRequest(_) => Err(ExchangeError::UnexpectedFrame(FRAME_STATE_REQUEST)),
+    }
+}
+
+/// Reads every chunk announced by a checked header, verifies it and assembles the tensors.
+pub async fn receive_tensors<R: AsyncRead + Unpin>(
+    r: &mut R,
+    header: &ExchangeHeader,
+) -> Result<TensorSet, ExchangeError> {
+    let chunk_size = u64::from(header.chunk_size);
+    let mut tensors = Vec::with_capacity(header.tensors.len());
+    for entry in &header.tensors {
+        let zstd = entry.encoding == Encoding::Zstd as i32;
+        let mut data = Vec::with_capacity(entry.byte_length as usize);
+        let mut chunk_index = 0u64;
+        while (data.len() as u64) < entry.byte_length {
+            let raw_len = chunk_size.min(entry.byte_length - data.len() as u64) as usize;
+            let max_body = DIGEST_LEN as u64 + encoded_bound(raw_len, zstd);
+            let (kind, len) = read_frame_prefix(r, |_| max_body)
+                .await
+                .map_err(|e| ExchangeError::from_frame(e, "chunk"))?;
+            if kind != FRAME_CHUNK {
+                return Err(ExchangeError::UnexpectedFrame(kind));
+            }
+            if (len as usize) < DIGEST_LEN {
+                return Err(ExchangeError::Malformed {
+                    what: "chunk",
+                    detail: format!("{len} bytes is shorter than its checksum"),
+                });
+            }
+            let mut checksum = [0u8; DIGEST_LEN];
+            r.read_exact(&mut checksum)
+                .await
+                .map_err(|_| ExchangeError::Truncated("chunk"))?;
+            let body_len = len as usize - DIGEST_LEN;
+            let chunk_problem = || ExchangeError::ChunkChecksum {
+                tensor: entry.name.clone(),
+                chunk: chunk_index,
+            };
+            if zstd {
+                let mut encoded = vec![0u8; body_len];
+                r.read_exact(&mut encoded)
+                    .await
+                    .map_err(|_| ExchangeError::Truncated("chunk"))?;
+                if blake3::hash(&encoded).as_bytes() != &checksum {
+                    return Err(chunk_problem());
+                }
+                let decoded = zstd::bulk::decompress(&encoded, raw_len).map_err(|e| {
+                    ExchangeError::Malformed {
+                        what: "zstd chunk",
+                        detail: format!("tensor {} chunk {chunk_index}: {e}", entry.name),
+                    }
+                })?;
+                if decoded.len() != raw_len {
+                    return Err(ExchangeError::Malformed {
+                        what: "zstd chunk",
+                        detail: format!(
+                            "tensor {} chunk {chunk_index}: {} bytes, expected {raw_len}",
+                            entry.name,
+                            decoded.len()
+                        ),
+                    });
+                }
+                data.extend_from_slice(&decoded);
+            } else {
+                if body_len != raw_len {
+                    return Err(ExchangeError::Malformed {
+                        what: "chunk",
+                        detail: format!(
+                            "tensor {} chunk {chunk_index}: {body_len} bytes, expected {raw_len}",
+                            entry.name
+                        ),
+                    });
+                }
+                let start = data.len();
+                data.resize(start + body_len, 0);
+                r.read_exact(&mut data[start..])
+                    .await
+                    .map_err(|_| ExchangeError::Truncated("chunk"))?;
+                if blake3::hash(&data[start..]).as_bytes() != &checksum {
+                    return Err(chunk_problem());
+                }
+            }
+            chunk_index += 1;
+        }
+        if blake3::hash(&data).as_bytes().as_slice() != entry.checksum.as_slice() {
+            return Err(ExchangeError::TensorChecksum(entry.name.clone()));
+        }
+        let dtype = DType::try_from(entry.dtype).unwrap_or(DType::Unspecified);
+        tensors.push(Tensor {
+            name: entry.name.clone(),
+            dtype,
+            shape: entry.shape.clone(),
+            data,
+        });
+    }
+    expect_end(r).await.map_err(|_| ExchangeError::Malformed {
+        what: "stream",
+        detail: "bytes after the last chunk".into(),
+    })?;
+    Ok(TensorSet::new(tensors))
+}
+
+/// Upper bound of an encoded chunk of `raw_len` bytes.
+fn encoded_bound(raw_len: usize, zstd: bool) -> u64 {
+    if zstd {
+        zstd::zstd_safe::compress_bound(raw_len) as u64
+    } else {
+        raw_len as u64
+    }
+}
+
+/// Sends the header and payload, then closes our side of the stream (FIN).
+pub async fn send_and_close<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    header: &ExchangeHeader,
+    payload: &OutgoingPayload,
+) -> Result<(), ExchangeError> {
+    send_payload(w, header, payload).await?;
+    w.close().await?;
+    Ok(())
+}
+
+/// Writes a refusal frame and closes the stream.
+pub async fn refuse<W: AsyncWrite + Unpin>(w: &mut W, refusal: &Refusal) -> std::io::Result<()> {
+    write_frame(w, FRAME_REFUSAL, &[&refusal.encode_to_vec()]).await?;
+    w.close().await
+}
+
+/// Sends our payload and receives theirs at the same time on one stream. A receive error
+/// ends the exchange at once; a send error is reported after the receive side has had its
+/// chance to explain it (a refusal frame is a better reason than a broken pipe).
+pub async fn send_and_receive<S, R>(send: S, receive: R) -> Result<TensorSet, ExchangeError>
+where
+    S: std::future::Future<Output = Result<(), ExchangeError>>,
+    R: std::future::Future<Output = Result<TensorSet, ExchangeError>>,
+{
+    let send = send.fuse();
+    let receive = receive.fuse();
+    futures::pin_mut!(send, receive);
+    futures::select! {
+        sent = send => match sent {
+            Ok(()) => receive.await,
+            Err(send_error) => match receive.await {
+                Err(receive_error) => Err(receive_error),
+                Ok(_) => Err(send_error),
+            },
+        },
+        received = receive => {
+            let set = received?;
+            send.await?;
+            Ok(set)
+        }
+    }
+}
+
+/// The opening side of `/gasloc/exchange/1`: writes its header and payload while reading
+/// the responder's.
+pub async fn run_initiator<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: S,
+    my_header: &ExchangeHeader,
+    payload: &OutgoingPayload,
+    expect: &Expectation,
+    limits: &ExchangeLimits,
+) -> Result<TensorSet, ExchangeError> {
+    let (mut r, mut w) = stream.split();
+    let send = send_and_close(&mut w, my_header, payload);
+    let receive = async {
+        let header = read_checked_header(&mut r, expect, limits).await?;
+        receive_tensors(&mut r, &header).await
+    };
+    send_and_receive(send, receive).await
+}
+
+/// The accepting side of `/gasloc/exchange/1` once the initiator's header has been read and
+/// checked: writes our payload while reading theirs.
+pub async fn run_responder<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: S,
+    their_header: &ExchangeHeader,
+    my_header: &ExchangeHeader,
+    payload: &OutgoingPayload,
+) -> Result<TensorSet, ExchangeError> {
+    let (mut r, mut w) = stream.split();
+    let send = send_and_close(&mut w, my_header, payload);
+    let receive = receive_tensors(&mut r, their_header);
+    send_and_receive(send, receive).await
+}
+
+/// Encodes a state-sync request frame.
+pub async fn write_state_request<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    run_id: &[u8; DIGEST_LEN],
+) -> std::io::Result<()> {
+    let request = StateRequest {
+        run_id: run_id.to_vec(),
+    };
+    write_frame(w, FRAME_STATE_REQUEST, &[&request.encode_to_vec()]).await?;
+    w.close().await
+}

@@ -1,0 +1,530 @@
+//! The exchange and state-sync services on a live swarm: `/gasloc/exchange/1` and
+//! `/gasloc/state/1`.
+//!
+//! [`ExchangeService::exchange_round`] swaps payloads with a round's neighbours: for each
+//! pair the peer with the smaller peer id (by bytes) opens the stream and the other accepts
+//! it, so exactly one stream carries both directions. The accept loops only hand each
+//! inbound stream to a task bounded by a semaphore (libp2p-stream drops inbound streams
+//! when the accept loop is slow). Inbound streams are matched against the rounds this node
+//! has registered; anything else is refused with a reason and logged.
+
+use crate::exchange::{
+    check_header, read_checked_header, read_first_frame, receive_tensors, refuse, run_initiator,
+    run_responder, send_payload, write_state_request, ExchangeError, ExchangeLimits, Expectation,
+    FirstFrame, OutgoingPayload,
+};
+use crate::tensors::{TensorSet, TensorSpec};
+use futures::{AsyncWriteExt, StreamExt};
+use gasloc_proto::wire::{PayloadKind, Refusal, RefusalReason, DIGEST_LEN};
+use libp2p::{PeerId, Stream, StreamProtocol};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::{broadcast, oneshot, Notify, Semaphore};
+use tokio::time::Instant;
+
+pub const EXCHANGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/gasloc/exchange/1");
+pub const STATE_PROTOCOL: StreamProtocol = StreamProtocol::new("/gasloc/state/1");
+
+/// Settings of the exchange service.
+#[derive(Debug, Clone)]
+pub struct ExchangeConfig {
+    pub run_id: [u8; DIGEST_LEN],
+    pub limits: ExchangeLimits,
+    /// Inbound streams handled at once; more are dropped.
+    pub max_inbound: usize,
+    /// Time a peer has to send its first frame.
+    pub header_timeout: Duration,
+    /// How long an inbound stream for the next round waits for this node to reach it.
+    pub accept_wait: Duration,
+}
+
+impl ExchangeConfig {
+    pub fn new(run_id: [u8; DIGEST_LEN]) -> Self {
+        ExchangeConfig {
+            run_id,
+            limits: ExchangeLimits::default(),
+            max_inbound: 16,
+            header_timeout: Duration::from_secs(10),
+            accept_wait: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What happened to one inbound stream (for logs, status and tests).
+#[derive(Debug, Clone)]
+pub struct InboundReport {
+    pub peer: PeerId,
+    pub protocol: &'static str,
+    pub round: Option<u64>,
+    /// `Ok(bytes received)` or the reason it was refused or failed.
+    pub outcome: Result<u64, String>,
+}
+
+struct RoundSlot {
+    neighbours: HashSet<PeerId>,
+    payload: Arc<OutgoingPayload>,
+    table: Option<Arc<Vec<TensorSpec>>>,
+    deadline: Instant,
+    waiting: HashMap<PeerId, oneshot::Sender<Result<TensorSet, ExchangeError>>>,
+}
+
+#[derive(Default)]
+struct ServiceState {
+    /// Rounds below this are over: their streams are refused as old.
+    floor: u64,
+    /// Whether this node has told the service where it is (a floor or a round). Before
+    /// that, a stream for any round waits for the round to be registered.
+    positioned: bool,
+    rounds: HashMap<u64, RoundSlot>,
+    state: Option<(u64, Arc<OutgoingPayload>)>,
+}
+
+struct Inner {
+    me: PeerId,
+    config: ExchangeConfig,
+    control: libp2p_stream::Control,
+    state: Mutex<ServiceState>,
+    changed: Notify,
+    reports: broadcast::Sender<InboundReport>,
+    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        for task in self.tasks.lock().map(|t| t.clone()).unwrap_or_default() {
+            task.abort();
+        }
+    }
+}
+
+/// A handle to the running exchange and state-sync service.
+#[derive(Clone)]
+pub struct ExchangeService {
+    inner: Arc<Inner>,
+}
+
+impl ExchangeService {
+    /// Registers both protocols on the swarm behind `control` and spawns their accept loops.
+    pub fn start(
+        me: PeerId,
+        mut control: libp2p_stream::Control,
+        config: ExchangeConfig,
+    ) -> anyhow::Result<Self> {
+        let exchange_incoming = control
+            .accept(EXCHANGE_PROTOCOL)
+            .map_err(|e| anyhow::anyhow!("{EXCHANGE_PROTOCOL}: {e}"))?;
+        let state_incoming = control
+            .accept(STATE_PROTOCOL)
+            .map_err(|e| anyhow::anyhow!("{STATE_PROTOCOL}: {e}"))?;
+        let (reports, _) = broadcast::channel(1024);
+        let inner = Arc::new(Inner {
+            me,
+            config,
+            control,
+            state: Mutex::new(ServiceState::default()),
+            changed: Notify::new(),
+            reports,
+            tasks: Mutex::new(Vec::new()),
+        });
+        let weak = Arc::downgrade(&inner);
+        let exchange_loop = tokio::spawn(accept_loop(weak.clone(), exchange_incoming, false));
+        let state_loop = tokio::spawn(accept_loop(weak, state_incoming, true));
+        inner
+            .tasks
+            .lock()
+            .expect("fresh mutex")
+            .extend([exchange_loop.abort_handle(), state_loop.abort_handle()]);
+        Ok(ExchangeService { inner })
+    }
+
+    /// Reports of every inbound stream from now on.
+    pub fn reports(&self) -> broadcast::Receiver<InboundReport> {
+        self.inner.reports.subscribe()
+    }
+
+    /// Streams for rounds below `round` are refused as old from now on, and streams for
+    /// rounds more than one ahead of the newest known round as future (the round driver
+    /// calls this when it starts a round).
+    pub fn advance_floor(&self, round: u64) {
+        let mut st = self.inner.state.lock().expect("exchange state lock");
+        st.floor = st.floor.max(round);
+        st.positioned = true;
+        drop(st);
+        self.inner.changed.notify_waiters();
+    }
+
+    /// Whether `round` is registered by an `exchange_round` in progress.
+    pub fn is_registered(&self, round: u64) -> bool {
+        self.inner
+            .state
+            .lock()
+            .expect("exchange state lock")
+            .rounds
+            .contains_key(&round)
+    }
+
+    /// Publishes this node's current state (anchor + outer momentum) for state sync.
+    pub fn set_state(&self, round: u64, payload: Arc<OutgoingPayload>) {
+        self.inner.state.lock().expect("exchange state lock").state = Some((round, payload));
+    }
+
+    /// Swaps `payload` with every neighbour of `round`. Each result is the neighbour's
+    /// verified tensors or the reason there are none; the call returns within `timeout`.
+    pub async fn exchange_round(
+        &self,
+        round: u64,
+        neighbours: &[PeerId],
+        payload: Arc<OutgoingPayload>,
+        table: Option<Arc<Vec<TensorSpec>>>,
+        timeout: Duration,
+    ) -> Vec<(PeerId, Result<TensorSet, ExchangeError>)> {
+        let deadline = Instant::now() + timeout;
+        let me_bytes = self.inner.me.to_bytes();
+        let mut receivers = HashMap::new();
+        {
+            let mut st = self.inner.state.lock().expect("exchange state lock");
+            st.positioned = true;
+            let mut waiting = HashMap::new();
+            for peer in neighbours {
+                if peer.to_bytes() > me_bytes {
+                    continue; // we open this one
+                }
+                let (tx, rx) = oneshot::channel();
+                waiting.insert(*peer, tx);
+                receivers.insert(*peer, rx);
+            }
+            st.rounds.insert(
+                round,
+                RoundSlot {
+                    neighbours: neighbours.iter().copied().collect(),
+                    payload: payload.clone(),
+                    table: table.clone(),
+                    deadline,
+                    waiting,
+                },
+            );
+        }
+        self.inner.changed.notify_waiters();
+
+        let jobs = neighbours.iter().map(|peer| {
+            let peer = *peer;
+            let receiver = receivers.remove(&peer);
+            let payload = payload.clone();
+            let table = table.clone();
+            async move {
+                let result = match receiver {
+                    Some(rx) => match tokio::time::timeout_at(deadline, rx).await {
+                        Ok(Ok(result)) => result,
+                        Ok(Err(_)) => Err(ExchangeError::Cancelled("inbound handler ended".into())),
+                        Err(_) => Err(ExchangeError::Deadline(timeout)),
+                    },
+                    None => tokio::time::timeout_at(
+                        deadline,
+                        self.initiate(peer, round, &payload, table),
+                    )
+                    .await
+                    .unwrap_or(Err(ExchangeError::Deadline(timeout))),
+                };
+                if let Err(e) = &result {
+                    tracing::warn!(%peer, round, error = %e, "exchange with neighbour failed");
+                }
+                (peer, result)
+            }
+        });
+        let results = futures::future::join_all(jobs).await;
+        {
+            let mut st = self.inner.state.lock().expect("exchange state lock");
+            st.rounds.remove(&round);
+            st.floor = st.floor.max(round + 1);
+        }
+        self.inner.changed.notify_waiters();
+        results
+    }
+
+    async fn initiate(
+        &self,
+        peer: PeerId,
+        round: u64,
+        payload: &OutgoingPayload,
+        table: Option<Arc<Vec<TensorSpec>>>,
+    ) -> Result<TensorSet, ExchangeError> {
+        let stream = self.open(peer, EXCHANGE_PROTOCOL).await?;
+        let cfg = &self.inner.config;
+        let header = payload.header(&cfg.run_id, round, &self.inner.me);
+        let expect = Expectation {
+            run_id: cfg.run_id,
+            round: Some(round),
+            sender: peer,
+            kind: payload.kind,
+            table,
+        };
+        run_initiator(stream, &header, payload, &expect, &cfg.limits).await
+    }
+
+    /// Opens a stream, retrying dial failures (addresses may still be being discovered)
+    /// until the caller's deadline cancels it.
+    async fn open(&self, peer: PeerId, protocol: StreamProtocol) -> Result<Stream, ExchangeError> {
+        let mut control = self.inner.control.clone();
+        let mut delay = Duration::from_millis(100);
+        loop {
+            match control.open_stream(peer, protocol.clone()).await {
+                Ok(stream) => return Ok(stream),
+                Err(libp2p_stream::OpenStreamError::UnsupportedProtocol(p)) => {
+                    return Err(ExchangeError::Open(format!("peer does not speak {p}")))
+                }
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "opening stream failed; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+    }
+
+    /// Fetches the current state (anchor + outer momentum) from `peer`. Returns the round it
+    /// belongs to and the verified tensors.
+    pub async fn fetch_state(
+        &self,
+        peer: PeerId,
+        table: Option<Arc<Vec<TensorSpec>>>,
+        timeout: Duration,
+    ) -> Result<(u64, TensorSet), ExchangeError> {
+        let work = async {
+            let mut stream = self.open(peer, STATE_PROTOCOL).await?;
+            let cfg = &self.inner.config;
+            write_state_request(&mut stream, &cfg.run_id).await?;
+            let expect = Expectation {
+                run_id: cfg.run_id,
+                round: None,
+                sender: peer,
+                kind: PayloadKind::State,
+                table,
+            };
+            let header = read_checked_header(&mut stream, &expect, &cfg.limits).await?;
+            let set = receive_tensors(&mut stream, &header).await?;
+            Ok((header.round, set))
+        };
+        tokio::time::timeout(timeout, work)
+            .await
+            .unwrap_or(Err(ExchangeError::Deadline(timeout)))
+    }
+}
+
+async fn accept_loop(
+    inner: std::sync::Weak<Inner>,
+    mut incoming: libp2p_stream::IncomingStreams,
+    state: bool,
+) {
+    let permits = match inner.upgrade() {
+        Some(i) => Arc::new(Semaphore::new(i.config.max_inbound)),
+        None => return,
+    };
+    while let Some((peer, stream)) = incoming.next().await {
+        let Some(inner) = inner.upgrade() else { return };
+        let Ok(permit) = permits.clone().try_acquire_owned() else {
+            tracing::warn!(%peer, "too many inbound streams; dropping one");
+            continue;
+        };
+        tokio::spawn(async move {
+            let _permit = permit;
+            let report = if state {
+                handle_state_request(&inner, peer, stream).await
+            } else {
+                handle_exchange(&inner, peer, stream).await
+            };
+            if let Err(reason) = &report.outcome {
+                tracing::warn!(%peer, protocol = report.protocol, round = ?report.round, %reason, "inbound stream refused or failed");
+            }
+            let _ = inner.reports.send(report);
+        });
+    }
+}
+
+/// Finds (or waits for) the round slot for an inbound stream and takes its reply channel.
+async fn claim_slot(
+    inner: &Inner,
+    peer: PeerId,
+    round: u64,
+) -> Result<
+    (
+        oneshot::Sender<Result<TensorSet, ExchangeError>>,
+        Arc<OutgoingPayload>,
+        Option<Arc<Vec<TensorSpec>>>,
+        Instant,
+    ),
+    ExchangeError,
+> {
+    let give_up = Instant::now() + inner.config.accept_wait;
+    loop {
+        let notified = inner.changed.notified();
+        {
+            let mut st = inner.state.lock().expect("exchange state lock");
+            if round < st.floor {
+                return Err(ExchangeError::OldRound {
+                    got: round,
+                    expected: st.floor,
+                });
+            }
+            if let Some(slot) = st.rounds.get_mut(&round) {
+                if !slot.neighbours.contains(&peer) {
+                    return Err(ExchangeError::NotANeighbour { peer, round });
+                }
+                return match slot.waiting.remove(&peer) {
+                    Some(tx) => Ok((tx, slot.payload.clone(), slot.table.clone(), slot.deadline)),
+                    None => Err(ExchangeError::Malformed {
+                        what: "stream",
+                        detail: format!("a second stream, or a stream this node should have opened, for round {round}"),
+                    }),
+                };
+            }
+            let newest = st
+                .rounds
+                .keys()
+                .max()
+                .copied()
+                .unwrap_or(st.floor)
+                .max(st.floor);
+            if st.positioned && round > newest + 1 {
+                return Err(ExchangeError::FutureRound {
+                    got: round,
+                    expected: newest,
+                });
+            }
+        }
+        if tokio::time::timeout_at(give_up, notified).await.is_err() {
+            return Err(ExchangeError::NotANeighbour { peer, round });
+        }
+    }
+}
+
+async fn handle_exchange(inner: &Inner, peer: PeerId, mut stream: Stream) -> InboundReport {
+    let cfg = &inner.config;
+    let mut report = InboundReport {
+        peer,
+        protocol: "exchange",
+        round: None,
+        outcome: Err(String::new()),
+    };
+    let first = read_first_frame_in_time(&mut stream, cfg).await;
+    let header = match first {
+        Ok(FirstFrame::Header(h)) => h,
+        Ok(_) => {
+            return refuse_and_report(stream, report, ExchangeError::UnexpectedFrame(0)).await;
+        }
+        Err(e) => return refuse_and_report(stream, report, e).await,
+    };
+    report.round = Some(header.round);
+    if header.run_id != cfg.run_id {
+        let e = ExchangeError::WrongRun {
+            got: hex::encode(&header.run_id),
+        };
+        return refuse_and_report(stream, report, e).await;
+    }
+    let (reply, payload, table, deadline) = match claim_slot(inner, peer, header.round).await {
+        Ok(slot) => slot,
+        Err(e) => return refuse_and_report(stream, report, e).await,
+    };
+    let expect = Expectation {
+        run_id: cfg.run_id,
+        round: Some(header.round),
+        sender: peer,
+        kind: payload.kind,
+        table,
+    };
+    if let Err(e) = check_header(&header, &expect, &cfg.limits) {
+        report.outcome = Err(e.to_string());
+        if let Some(refusal) = e.refusal() {
+            let _ = refuse(&mut stream, &refusal).await;
+        }
+        let _ = reply.send(Err(e));
+        return report;
+    }
+    let my_header = payload.header(&cfg.run_id, header.round, &inner.me);
+    let result = tokio::time::timeout_at(
+        deadline,
+        run_responder(stream, &header, &my_header, &payload),
+    )
+    .await
+    .unwrap_or(Err(ExchangeError::Deadline(
+        deadline.saturating_duration_since(Instant::now()),
+    )));
+    report.outcome = match &result {
+        Ok(set) => Ok(set.byte_length()),
+        Err(e) => Err(e.to_string()),
+    };
+    let _ = reply.send(result);
+    report
+}
+
+async fn handle_state_request(inner: &Inner, peer: PeerId, mut stream: Stream) -> InboundReport {
+    let cfg = &inner.config;
+    let report = InboundReport {
+        peer,
+        protocol: "state",
+        round: None,
+        outcome: Err(String::new()),
+    };
+    let first = read_first_frame_in_time(&mut stream, cfg).await;
+    match first {
+        Ok(FirstFrame::StateRequest(request)) if request.run_id == cfg.run_id => {}
+        Ok(FirstFrame::StateRequest(request)) => {
+            let e = ExchangeError::WrongRun {
+                got: hex::encode(request.run_id),
+            };
+            return refuse_and_report(stream, report, e).await;
+        }
+        Ok(_) => return refuse_and_report(stream, report, ExchangeError::UnexpectedFrame(0)).await,
+        Err(e) => return refuse_and_report(stream, report, e).await,
+    }
+    let current = inner
+        .state
+        .lock()
+        .expect("exchange state lock")
+        .state
+        .clone();
+    let Some((round, payload)) = current else {
+        let mut report = report;
+        let refusal = Refusal {
+            reason: RefusalReason::NoState as i32,
+            message: "this node has no state to share yet".into(),
+        };
+        let _ = refuse(&mut stream, &refusal).await;
+        report.outcome = Err(refusal.message);
+        return report;
+    };
+    let header = payload.header(&cfg.run_id, round, &inner.me);
+    let sent = async {
+        let n = send_payload(&mut stream, &header, &payload).await?;
+        stream.close().await?;
+        Ok::<u64, ExchangeError>(n)
+    }
+    .await;
+    InboundReport {
+        round: Some(round),
+        outcome: sent.map_err(|e| e.to_string()),
+        ..report
+    }
+}
+
+/// The first frame of an inbound stream, within the configured header timeout.
+async fn read_first_frame_in_time(
+    stream: &mut Stream,
+    cfg: &ExchangeConfig,
+) -> Result<FirstFrame, ExchangeError> {
+    tokio::time::timeout(cfg.header_timeout, read_first_frame(stream, &cfg.limits))
+        .await
+        .unwrap_or(Err(ExchangeError::Deadline(cfg.header_timeout)))
+}
+
+async fn refuse_and_report(
+    mut stream: Stream,
+    mut report: InboundReport,
+    e: ExchangeError,
+) -> InboundReport {
+    if let Some(refusal) = e.refusal() {
+        let _ = refuse(&mut stream, &refusal).await;
+    }
+    report.outcome = Err(e.to_string());
+    report
+}

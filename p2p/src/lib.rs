@@ -1,0 +1,28 @@
+//! gasloc's networking, shared by `gasloc-node` and `gasloc-bootstrap` (no libtorch).
+//!
+//! - [`swarm`], [`config`], [`network`]: the libp2p swarm and the event loop that owns it.
+//! - [`control`]: the run's gossipsub control plane and its validation.
+//! - [`schedule`], [`permutation`]: commit-reveal and the round's neighbours (sans-IO).
+//! - [`frames`], [`exchange`], [`exchange_service`]: tensor exchange on `/gasloc/exchange/1`
+//!   and state sync on `/gasloc/state/1`.
+//! - [`manifest_service`]: the manifest request-response protocol.
+//! - [`identity`]: the persisted node key.
+//! - [`driver`], [`synthetic`], [`join`], [`local_swarm`]: rounds on a live swarm, the
+//!   synthetic trainer, `gasloc-node join`, and many nodes in one process.
+
+pub mod config;
+pub mod control;
+pub mod driver;
+pub mod exchange;
+pub mod exchange_service;
+pub mod frames;
+pub mod identity;
+pub mod join;
+pub mod local_swarm;
+pub mod manifest_service;
+pub mod network;
+pub mod permutation;
+pub mod schedule;
+pub mod swarm;
+pub mod synthetic;
+pub mod tensors;

@@ -1,0 +1,139 @@
+//! Many real nodes in one process on loopback, for tests and the control-plane benchmark.
+//!
+//! Node 0 doubles as the hub every other node bootstraps from (as a bootstrap node would);
+//! every node runs the real swarm, control plane, round driver, exchange service and the
+//! synthetic trainer.
+
+use crate::config::{NetworkConfig, Role};
+use crate::driver::{DriverOptions, RoundDriver, RoundRecord};
+use crate::exchange::SendOptions;
+use crate::exchange_service::{ExchangeConfig, ExchangeService};
+use crate::network::{self, unix_ms};
+use crate::schedule::{RoundSchedule, Timing};
+use crate::synthetic::SyntheticTrainer;
+use anyhow::{bail, Context};
+use libp2p::identity::Keypair;
+use libp2p::Multiaddr;
+use std::time::Duration;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct LocalSwarm {
+    pub nodes: usize,
+    pub rounds: u64,
+    /// This node never publishes its reveals.
+    pub withholder: Option<usize>,
+    /// Round timing; `genesis_ms` is replaced by "shortly after every node is subscribed".
+    pub timing: Timing,
+    pub trainer: SyntheticTrainer,
+    /// `/ip4/127.0.0.1/tcp/0` or `/ip4/127.0.0.1/udp/0/quic-v1`.
+    pub listen: Multiaddr,
+    pub run_id: [u8; 32],
+}
+
+/// The network settings of one local node.
+pub fn local_config(listen: Multiaddr, bootstrap: Vec<Multiaddr>) -> NetworkConfig {
+    let mut c = NetworkConfig::new(Role::Node);
+    c.listen = vec![listen];
+    c.bootstrap = bootstrap;
+    c.gossip_heartbeat = Duration::from_millis(100);
+    c.discovery_interval = Duration::from_secs(1);
+    c
+}
+
+impl LocalSwarm {
+    /// Starts every node, runs `rounds` rounds and returns each node's records (in node order).
+    pub async fn run(&self) -> anyhow::Result<Vec<Vec<RoundRecord>>> {
+        let n = self.nodes;
+        if n < 2 {
+            bail!("a local swarm needs at least 2 nodes");
+        }
+        let mut networks = Vec::with_capacity(n);
+        let hub = network::start(
+            Keypair::generate_ed25519(),
+            local_config(self.listen.clone(), vec![]),
+        )
+        .await?;
+        let hub_addr: Multiaddr =
+            format!("{}/p2p/{}", hub.listen_addrs[0], hub.client.peer_id()).parse()?;
+        networks.push(hub);
+        for _ in 1..n {
+            let config = local_config(self.listen.clone(), vec![hub_addr.clone()]);
+            networks.push(network::start(Keypair::generate_ed25519(), config).await?);
+        }
+        for network in &networks {
+            network
+                .client
+                .join_run(self.run_id, None)
+                .await
+                .map_err(anyhow::Error::msg)?;
+        }
+        // Bounded wait: the hub sees everyone on the topic, everyone sees the hub.
+        let mut ready = false;
+        for _ in 0..400 {
+            ready = networks[0]
+                .client
+                .topic_peers()
+                .await
+                .map_err(anyhow::Error::msg)?
+                .len()
+                >= n - 1;
+            for network in &networks[1..] {
+                ready &= !network
+                    .client
+                    .topic_peers()
+                    .await
+                    .map_err(anyhow::Error::msg)?
+                    .is_empty();
+            }
+            if ready {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        if !ready {
+            bail!("the local swarm did not form its topic within 20 s");
+        }
+        let timing = Timing {
+            genesis_ms: unix_ms() + 1000,
+            ..self.timing.clone()
+        };
+        timing.validate().map_err(anyhow::Error::msg)?;
+        let mut tasks = Vec::with_capacity(n);
+        for (i, network) in networks.into_iter().enumerate() {
+            let me = network.client.peer_id();
+            let mut exchange_config = ExchangeConfig::new(self.run_id);
+            exchange_config.accept_wait = Duration::from_millis(timing.exchange_timeout_ms);
+            let service =
+                ExchangeService::start(me, network.client.stream_control(), exchange_config)?;
+            let driver = RoundDriver {
+                service,
+                client: network.client.clone(),
+                events: network.events,
+                schedule: RoundSchedule::new(timing.clone(), self.run_id, me),
+                trainer: self.trainer.clone(),
+                options: DriverOptions {
+                    rounds: self.rounds,
+                    withhold_reveals: self.withholder == Some(i),
+                    send: SendOptions::default(),
+                },
+                run_id: self.run_id,
+            };
+            let client = network.client;
+            tasks.push(tokio::spawn(async move {
+                let records = driver.run(|_| {}).await;
+                client.shutdown().await;
+                records
+            }));
+        }
+        let bound = Duration::from_millis(timing.period_ms * (self.rounds + 4) + 20_000);
+        let mut all = Vec::with_capacity(n);
+        for task in tasks {
+            let records = tokio::time::timeout(bound, task)
+                .await
+                .context("a node's round driver did not finish in time")??;
+            all.push(records);
+        }
+        Ok(all)
+    }
+}

@@ -1,0 +1,584 @@
+//! The network event loop and its cloneable [`Client`] handle.
+//!
+//! One task owns the `Swarm` ([`EventLoop`]); everything else talks to it by sending
+//! [`Command`]s through a [`Client`] and receives [`NetworkEvent`]s on a channel (the
+//! rust-libp2p `file-sharing` example pattern). Bulk streams do not pass through the loop:
+//! [`Client::stream_control`] gives a `libp2p_stream::Control` for the exchange protocols.
+
+use crate::config::NetworkConfig;
+use crate::control::{run_topic, ControlValidator};
+use crate::schedule::Timing;
+use crate::swarm::{build_swarm, GaslocBehaviour, GaslocBehaviourEvent};
+use anyhow::{anyhow, Context};
+use futures::StreamExt;
+use gasloc_proto::wire::{ControlMessage, ManifestRequest, ManifestResponse, DIGEST_LEN};
+use libp2p::core::ConnectedPoint;
+use libp2p::gossipsub::{self, IdentTopic};
+use libp2p::identity::Keypair;
+use libp2p::multiaddr::Protocol;
+use libp2p::request_response::{self, OutboundRequestId};
+use libp2p::swarm::{ConnectionId, SwarmEvent};
+use libp2p::{dcutr, identify, kad, mdns, Multiaddr, PeerId, Swarm};
+use prost::Message;
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc, oneshot};
+
+/// Milliseconds since the Unix epoch (the wall clock the round schedule runs on).
+pub fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// What the event loop reports.
+#[derive(Debug, Clone)]
+pub enum NetworkEvent {
+    /// A control message that passed validation; `source` is its signed author.
+    Control {
+        source: PeerId,
+        message: ControlMessage,
+    },
+    /// A peer subscribed to the run's topic.
+    Subscribed(PeerId),
+    Connected(PeerId),
+    Disconnected(PeerId),
+}
+
+/// Requests to the event loop.
+#[derive(Debug)]
+pub enum Command {
+    JoinRun {
+        run_id: [u8; DIGEST_LEN],
+        timing: Option<Timing>,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    Publish {
+        message: ControlMessage,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    TopicPeers {
+        reply: oneshot::Sender<Vec<PeerId>>,
+    },
+    ConnectedPeers {
+        reply: oneshot::Sender<Vec<PeerId>>,
+    },
+    Dial {
+        address: Multiaddr,
+        reply: oneshot::Sender<Result<(), String>>,
+    },
+    RequestManifest {
+        peer: PeerId,
+        reply: oneshot::Sender<Result<ManifestResponse, String>>,
+    },
+    ServeManifest {
+        response: ManifestResponse,
+    },
+    Shutdown,
+}
+
+/// A cloneable handle to the event loop.
+#[derive(Clone)]
+pub struct Client {
+    commands: mpsc::Sender<Command>,
+    peer_id: PeerId,
+    stream_control: libp2p_stream::Control,
+}
+
+/// A started network: the handle, its events and the addresses it listens on.
+pub struct Network {
+    pub client: Client,
+    pub events: mpsc::UnboundedReceiver<NetworkEvent>,
+    pub listen_addrs: Vec<Multiaddr>,
+    pub task: tokio::task::JoinHandle<()>,
+}
+
+const LOOP_GONE: &str = "the network event loop has stopped";
+
+impl Client {
+    pub fn peer_id(&self) -> PeerId {
+        self.peer_id
+    }
+
+    /// A fresh stream control (one per concurrent `open_stream` caller).
+    pub fn stream_control(&self) -> libp2p_stream::Control {
+        self.stream_control.clone()
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, String> {
+        let (tx, rx) = oneshot::channel();
+        self.commands
+            .send(make(tx))
+            .await
+            .map_err(|_| LOOP_GONE.to_string())?;
+        rx.await.map_err(|_| LOOP_GONE.to_string())
+    }
+
+    /// Subscribes to the run's topic and validates its messages against `run_id` (and the
+    /// round window of `timing`, when given).
+    pub async fn join_run(
+        &self,
+        run_id: [u8; DIGEST_LEN],
+        timing: Option<Timing>,
+    ) -> Result<(), String> {
+        self.ask(|reply| Command::JoinRun {
+            run_id,
+            timing,
+            reply,
+        })
+        .await?
+    }
+
+    pub async fn publish(&self, message: ControlMessage) -> Result<(), String> {
+        self.ask(|reply| Command::Publish { message, reply })
+            .await?
+    }
+
+    /// Peers known to be subscribed to the run's topic.
+    pub async fn topic_peers(&self) -> Result<Vec<PeerId>, String> {
+        self.ask(|reply| Command::TopicPeers { reply }).await
+    }
+
+    pub async fn connected_peers(&self) -> Result<Vec<PeerId>, String> {
+        self.ask(|reply| Command::ConnectedPeers { reply }).await
+    }
+
+    pub async fn dial(&self, address: Multiaddr) -> Result<(), String> {
+        self.ask(|reply| Command::Dial { address, reply }).await?
+    }
+
+    pub async fn request_manifest(&self, peer: PeerId) -> Result<ManifestResponse, String> {
+        self.ask(|reply| Command::RequestManifest { peer, reply })
+            .await?
+    }
+
+    pub async fn serve_manifest(&self, response: ManifestResponse) -> Result<(), String> {
+        self.commands
+            .send(Command::ServeManifest { response })
+            .await
+            .map_err(|_| LOOP_GONE.to_string())
+    }
+
+    pub async fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown).await;
+    }
+}
+
+/// The peer id at the end of a multiaddr (`…/p2p/<id>`), if any.
+pub fn peer_id_of(address: &Multiaddr) -> Option<PeerId> {
+    address.iter().find_map(|p| match p {
+        Protocol::P2p(id) => Some(id),
+        _ => None,
+    })
+}
+
+/// Builds the swarm, listens, dials the bootstrap nodes and spawns the event loop.
+/// Returns once every listener has at least one address (or fails naming the address).
+pub async fn start(keypair: Keypair, config: NetworkConfig) -> anyhow::Result<Network> {
+    let peer_id = keypair.public().to_peer_id();
+    let mut swarm = build_swarm(keypair, &config)?;
+    let mut pending_listeners = HashSet::new();
+    for address in &config.listen {
+        let id = swarm
+            .listen_on(address.clone())
+            .with_context(|| format!("cannot listen on {address}"))?;
+        pending_listeners.insert(id);
+    }
+    let mut listen_addrs = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !pending_listeners.is_empty() {
+        let event = tokio::time::timeout_at(deadline, swarm.select_next_some())
+            .await
+            .map_err(|_| anyhow!("listeners did not report an address within 10 s"))?;
+        match event {
+            SwarmEvent::NewListenAddr {
+                listener_id,
+                address,
+            } => {
+                pending_listeners.remove(&listener_id);
+                listen_addrs.push(address);
+            }
+            SwarmEvent::ListenerClosed {
+                addresses, reason, ..
+            } => {
+                return Err(anyhow!("listener {addresses:?} closed: {reason:?}"));
+            }
+            SwarmEvent::ListenerError { error, .. } => {
+                return Err(anyhow!("listener error: {error}"));
+            }
+            _ => {}
+        }
+    }
+    let mut bootstrap_peers = HashSet::new();
+    for address in &config.bootstrap {
+        if let Some(peer) = peer_id_of(address) {
+            bootstrap_peers.insert(peer);
+            swarm.add_peer_address(peer, address.clone());
+            swarm
+                .behaviour_mut()
+                .kad
+                .add_address(&peer, address.clone());
+        }
+        swarm
+            .dial(address.clone())
+            .with_context(|| format!("cannot dial bootstrap address {address}"))?;
+    }
+    let (commands_tx, commands_rx) = mpsc::channel(256);
+    let (events_tx, events_rx) = mpsc::unbounded_channel();
+    let stream_control = swarm.behaviour().stream.new_control();
+    let event_loop = EventLoop {
+        swarm,
+        config,
+        commands: commands_rx,
+        events: events_tx,
+        topic: None,
+        validator: None,
+        served_manifest: None,
+        pending_manifest: HashMap::new(),
+        pending_dials: HashMap::new(),
+        bootstrap_peers,
+        relayed: HashMap::new(),
+        lookups: HashMap::new(),
+    };
+    let task = tokio::spawn(event_loop.run());
+    Ok(Network {
+        client: Client {
+            commands: commands_tx,
+            peer_id,
+            stream_control,
+        },
+        events: events_rx,
+        listen_addrs,
+        task,
+    })
+}
+
+/// Owns the swarm; runs until `Shutdown` or until every `Client` is dropped.
+pub struct EventLoop {
+    swarm: Swarm<GaslocBehaviour>,
+    config: NetworkConfig,
+    commands: mpsc::Receiver<Command>,
+    events: mpsc::UnboundedSender<NetworkEvent>,
+    topic: Option<IdentTopic>,
+    validator: Option<ControlValidator>,
+    served_manifest: Option<ManifestResponse>,
+    pending_manifest: HashMap<OutboundRequestId, oneshot::Sender<Result<ManifestResponse, String>>>,
+    pending_dials: HashMap<ConnectionId, oneshot::Sender<Result<(), String>>>,
+    bootstrap_peers: HashSet<PeerId>,
+    relayed: HashMap<PeerId, Vec<ConnectionId>>,
+    /// When a Kademlia lookup for a control-message author was last started.
+    lookups: HashMap<PeerId, Instant>,
+}
+
+/// Minimum time between two lookups of the same author.
+const LOOKUP_INTERVAL: Duration = Duration::from_secs(10);
+
+impl EventLoop {
+    async fn run(mut self) {
+        loop {
+            tokio::select! {
+                event = self.swarm.select_next_some() => self.on_swarm_event(event),
+                command = self.commands.recv() => match command {
+                    None | Some(Command::Shutdown) => break,
+                    Some(command) => self.on_command(command),
+                },
+            }
+        }
+        tracing::debug!(peer = %self.swarm.local_peer_id(), "network event loop stopped");
+    }
+
+    fn emit(&self, event: NetworkEvent) {
+        let _ = self.events.send(event);
+    }
+
+    fn on_command(&mut self, command: Command) {
+        match command {
+            Command::JoinRun {
+                run_id,
+                timing,
+                reply,
+            } => {
+                let topic = run_topic(&hex::encode(run_id));
+                let result = self
+                    .swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .subscribe(&topic)
+                    .map(|_| ())
+                    .map_err(|e| format!("cannot subscribe to {topic}: {e}"));
+                self.validator = Some(ControlValidator::new(
+                    run_id,
+                    timing,
+                    self.config.control_max_bytes,
+                    self.config.control_rate_burst,
+                    self.config.control_rate_window,
+                ));
+                self.topic = Some(topic);
+                let _ = reply.send(result);
+            }
+            Command::Publish { message, reply } => {
+                let result = match &self.topic {
+                    None => Err("publish before joining a run".to_string()),
+                    Some(topic) => self
+                        .swarm
+                        .behaviour_mut()
+                        .gossipsub
+                        .publish(topic.clone(), message.encode_to_vec())
+                        .map(|_| ())
+                        .map_err(|e| format!("publish failed: {e}")),
+                };
+                let _ = reply.send(result);
+            }
+            Command::TopicPeers { reply } => {
+                let peers = match &self.topic {
+                    None => Vec::new(),
+                    Some(topic) => {
+                        let hash = topic.hash();
+                        self.swarm
+                            .behaviour()
+                            .gossipsub
+                            .all_peers()
+                            .filter(|(_, topics)| topics.contains(&&hash))
+                            .map(|(p, _)| *p)
+                            .collect()
+                    }
+                };
+                let _ = reply.send(peers);
+            }
+            Command::ConnectedPeers { reply } => {
+                let _ = reply.send(self.swarm.connected_peers().copied().collect());
+            }
+            Command::Dial { address, reply } => {
+                let opts = libp2p::swarm::dial_opts::DialOpts::from(address.clone());
+                let id = opts.connection_id();
+                match self.swarm.dial(opts) {
+                    Ok(()) => {
+                        self.pending_dials.insert(id, reply);
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(format!("cannot dial {address}: {e}")));
+                    }
+                }
+            }
+            Command::RequestManifest { peer, reply } => {
+                let id = self
+                    .swarm
+                    .behaviour_mut()
+                    .manifest
+                    .send_request(&peer, ManifestRequest { run_id: Vec::new() });
+                self.pending_manifest.insert(id, reply);
+            }
+            Command::ServeManifest { response } => self.served_manifest = Some(response),
+            Command::Shutdown => {}
+        }
+    }
+
+    fn on_swarm_event(&mut self, event: SwarmEvent<GaslocBehaviourEvent>) {
+        match event {
+            SwarmEvent::Behaviour(event) => self.on_behaviour_event(event),
+            SwarmEvent::ConnectionEstablished {
+                peer_id,
+                connection_id,
+                endpoint,
+                num_established,
+                ..
+            } => {
+                if let Some(reply) = self.pending_dials.remove(&connection_id) {
+                    let _ = reply.send(Ok(()));
+                }
+                if endpoint.is_relayed() {
+                    self.relayed.entry(peer_id).or_default().push(connection_id);
+                }
+                if let ConnectedPoint::Dialer { address, .. } = &endpoint {
+                    if !endpoint.is_relayed() && self.bootstrap_peers.contains(&peer_id) {
+                        self.swarm
+                            .behaviour_mut()
+                            .kad
+                            .add_address(&peer_id, address.clone());
+                        let _ = self.swarm.behaviour_mut().kad.bootstrap();
+                    }
+                }
+                if num_established.get() == 1 {
+                    self.emit(NetworkEvent::Connected(peer_id));
+                }
+            }
+            SwarmEvent::ConnectionClosed {
+                peer_id,
+                connection_id,
+                num_established,
+                ..
+            } => {
+                if let Some(ids) = self.relayed.get_mut(&peer_id) {
+                    ids.retain(|id| *id != connection_id);
+                }
+                if num_established == 0 {
+                    self.emit(NetworkEvent::Disconnected(peer_id));
+                }
+            }
+            SwarmEvent::OutgoingConnectionError {
+                connection_id,
+                error,
+                peer_id,
+            } => {
+                tracing::debug!(?peer_id, %error, "outgoing connection failed");
+                if let Some(reply) = self.pending_dials.remove(&connection_id) {
+                    let _ = reply.send(Err(error.to_string()));
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn on_behaviour_event(&mut self, event: GaslocBehaviourEvent) {
+        match event {
+            GaslocBehaviourEvent::Identify(identify::Event::Received { peer_id, info, .. }) => {
+                for address in info.listen_addrs {
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer_id, address);
+                }
+            }
+            GaslocBehaviourEvent::Gossipsub(gossipsub::Event::Message {
+                propagation_source,
+                message_id,
+                message,
+            }) => self.on_gossip_message(propagation_source, message_id, message),
+            GaslocBehaviourEvent::Gossipsub(gossipsub::Event::Subscribed { peer_id, topic })
+                if self.topic.as_ref().is_some_and(|t| t.hash() == topic) =>
+            {
+                self.emit(NetworkEvent::Subscribed(peer_id));
+            }
+            GaslocBehaviourEvent::Manifest(event) => self.on_manifest_event(event),
+            GaslocBehaviourEvent::Mdns(mdns::Event::Discovered(found)) => {
+                for (peer, address) in found {
+                    self.swarm.add_peer_address(peer, address.clone());
+                    self.swarm
+                        .behaviour_mut()
+                        .kad
+                        .add_address(&peer, address.clone());
+                    let _ = self.swarm.dial(address);
+                }
+            }
+            GaslocBehaviourEvent::Dcutr(dcutr::Event {
+                remote_peer_id,
+                result: Ok(_),
+            }) => {
+                // libp2p-stream picks a random connection: drop the relayed ones once a
+                // direct connection exists, so bulk transfers never use a relay circuit.
+                for id in self.relayed.remove(&remote_peer_id).unwrap_or_default() {
+                    self.swarm.close_connection(id);
+                }
+            }
+            GaslocBehaviourEvent::Kad(kad::Event::RoutingUpdated { peer, .. }) => {
+                tracing::trace!(%peer, "kademlia routing updated");
+            }
+            _ => {}
+        }
+    }
+
+    fn on_gossip_message(
+        &mut self,
+        propagation_source: PeerId,
+        message_id: gossipsub::MessageId,
+        message: gossipsub::Message,
+    ) {
+        let Some(validator) = self.validator.as_mut() else {
+            self.swarm
+                .behaviour_mut()
+                .gossipsub
+                .report_message_validation_result(
+                    &message_id,
+                    &propagation_source,
+                    gossipsub::MessageAcceptance::Ignore,
+                );
+            return;
+        };
+        let verdict = validator.validate(message.source, &message.data, unix_ms(), Instant::now());
+        let acceptance = match &verdict {
+            Ok(_) => gossipsub::MessageAcceptance::Accept,
+            Err(reject) => {
+                tracing::warn!(source = ?message.source, via = %propagation_source, %reject, "control message refused");
+                reject.acceptance()
+            }
+        };
+        self.swarm
+            .behaviour_mut()
+            .gossipsub
+            .report_message_validation_result(&message_id, &propagation_source, acceptance);
+        if let Ok((source, message)) = verdict {
+            self.find_author(source);
+            self.emit(NetworkEvent::Control { source, message });
+        }
+    }
+
+    /// Round partners are taken from the control plane's authors: look up the address of an
+    /// author this node is not connected to, so that an exchange stream can be opened later.
+    fn find_author(&mut self, peer: PeerId) {
+        if peer == *self.swarm.local_peer_id() || self.swarm.is_connected(&peer) {
+            return;
+        }
+        let now = Instant::now();
+        if self
+            .lookups
+            .get(&peer)
+            .is_some_and(|last| now.duration_since(*last) < LOOKUP_INTERVAL)
+        {
+            return;
+        }
+        self.lookups.insert(peer, now);
+        self.swarm.behaviour_mut().kad.get_closest_peers(peer);
+    }
+
+    fn on_manifest_event(
+        &mut self,
+        event: request_response::Event<ManifestRequest, ManifestResponse>,
+    ) {
+        match event {
+            request_response::Event::Message { peer, message, .. } => match message {
+                request_response::Message::Request {
+                    request, channel, ..
+                } => {
+                    let response = match &self.served_manifest {
+                        Some(served)
+                            if request.run_id.is_empty() || request.run_id == served.run_id =>
+                        {
+                            served.clone()
+                        }
+                        Some(_) => ManifestResponse {
+                            error: "this node serves another run".into(),
+                            ..Default::default()
+                        },
+                        None => ManifestResponse {
+                            error: "this node serves no manifest".into(),
+                            ..Default::default()
+                        },
+                    };
+                    tracing::debug!(%peer, "serving the run manifest");
+                    let _ = self
+                        .swarm
+                        .behaviour_mut()
+                        .manifest
+                        .send_response(channel, response);
+                }
+                request_response::Message::Response {
+                    request_id,
+                    response,
+                } => {
+                    if let Some(reply) = self.pending_manifest.remove(&request_id) {
+                        let _ = reply.send(Ok(response));
+                    }
+                }
+            },
+            request_response::Event::OutboundFailure {
+                request_id, error, ..
+            } => {
+                if let Some(reply) = self.pending_manifest.remove(&request_id) {
+                    let _ = reply.send(Err(format!("manifest request failed: {error}")));
+                }
+            }
+            _ => {}
+        }
+    }
+}

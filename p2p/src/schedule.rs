@@ -1,0 +1,558 @@
+//! `RoundSchedule`: the sans-IO state machine that turns commits and reveals into each
+//! round's members, permutation and neighbours (`ALGORITHMS.md` §3).
+//!
+//! Time is wall-clock milliseconds since the Unix epoch, passed in by the caller (an
+//! injectable clock): round `t` starts at `genesis + t·period`; commits are accepted until
+//! `start + commit_window`, when members publish their reveals; reveals are accepted until
+//! `start + commit_window + reveal_window`, when the round is decided. No I/O happens here:
+//! inputs are method calls, outputs are [`Action`]s for the caller to carry out.
+
+use crate::permutation::{commitment, neighbours, permutation, round_seed, sort_peers, Digest32};
+use gasloc_proto::wire::{RoundTiming, Topology};
+use libp2p::PeerId;
+use std::collections::{BTreeMap, HashMap};
+
+/// Round timing shared by every member of a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Timing {
+    pub genesis_ms: u64,
+    pub period_ms: u64,
+    pub commit_window_ms: u64,
+    pub reveal_window_ms: u64,
+    pub exchange_timeout_ms: u64,
+    pub topology: Topology,
+}
+
+impl Timing {
+    /// Checks the windows fit in a round; the error names the offending value.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.period_ms == 0 || self.commit_window_ms == 0 || self.reveal_window_ms == 0 {
+            return Err("round period, commit window and reveal window must be positive".into());
+        }
+        if self.commit_window_ms + self.reveal_window_ms >= self.period_ms {
+            return Err(format!(
+                "commit window {} ms + reveal window {} ms must be shorter than the round period {} ms",
+                self.commit_window_ms, self.reveal_window_ms, self.period_ms
+            ));
+        }
+        if self.topology == Topology::Unspecified {
+            return Err("topology is unspecified".into());
+        }
+        Ok(())
+    }
+
+    pub fn round_start(&self, round: u64) -> u64 {
+        self.genesis_ms + round * self.period_ms
+    }
+    pub fn commit_deadline(&self, round: u64) -> u64 {
+        self.round_start(round) + self.commit_window_ms
+    }
+    pub fn reveal_deadline(&self, round: u64) -> u64 {
+        self.commit_deadline(round) + self.reveal_window_ms
+    }
+    /// The round in progress at `now`; `None` before genesis.
+    pub fn round_at(&self, now: u64) -> Option<u64> {
+        now.checked_sub(self.genesis_ms).map(|d| d / self.period_ms)
+    }
+    /// The first round whose commit window is still open at `now`.
+    pub fn next_joinable_round(&self, now: u64) -> u64 {
+        match self.round_at(now) {
+            None => 0,
+            Some(r) if now < self.commit_deadline(r) => r,
+            Some(r) => r + 1,
+        }
+    }
+
+    pub fn from_wire(t: &RoundTiming) -> Result<Self, String> {
+        let timing = Timing {
+            genesis_ms: t.genesis_unix_ms,
+            period_ms: t.round_period_ms,
+            commit_window_ms: t.commit_window_ms,
+            reveal_window_ms: t.reveal_window_ms,
+            exchange_timeout_ms: t.exchange_timeout_ms,
+            topology: Topology::try_from(t.topology).unwrap_or(Topology::Unspecified),
+        };
+        timing.validate()?;
+        Ok(timing)
+    }
+
+    pub fn to_wire(&self) -> RoundTiming {
+        RoundTiming {
+            genesis_unix_ms: self.genesis_ms,
+            round_period_ms: self.period_ms,
+            commit_window_ms: self.commit_window_ms,
+            reveal_window_ms: self.reveal_window_ms,
+            exchange_timeout_ms: self.exchange_timeout_ms,
+            topology: self.topology as i32,
+        }
+    }
+}
+
+/// What the caller must do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    PublishCommit { round: u64, commitment: Digest32 },
+    PublishReveal { round: u64, nonce: Digest32 },
+    Decided(RoundPlan),
+}
+
+/// The outcome of a round's commit-reveal as this node sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoundPlan {
+    pub round: u64,
+    /// Members in canonical (peer id byte) order.
+    pub members: Vec<PeerId>,
+    pub seed: Digest32,
+    pub permutation: Vec<PeerId>,
+    /// This node's neighbours; empty when it is not a member.
+    pub neighbours: Vec<PeerId>,
+    pub is_member: bool,
+    /// Peers that committed but did not reveal in time (excluded).
+    pub withheld: Vec<PeerId>,
+    /// When the last accepted commit and reveal from another peer arrived (0: none).
+    pub last_commit_at_ms: u64,
+    pub last_reveal_at_ms: u64,
+}
+
+/// Why a commit or reveal was not recorded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    #[error("round {round} is outside the accepted window (current {current:?})")]
+    OutsideWindow { round: u64, current: Option<u64> },
+    #[error("commit for round {round} arrived after its commit window closed")]
+    LateCommit { round: u64 },
+    #[error("reveal for round {round} arrived after its reveal window closed")]
+    LateReveal { round: u64 },
+    #[error("peer sent a different commit for round {round}")]
+    ConflictingCommit { round: u64 },
+    #[error("reveal for round {round} without a recorded commit")]
+    NoCommit { round: u64 },
+    #[error("reveal for round {round} does not match the commit")]
+    RevealMismatch { round: u64 },
+    #[error("round {round} has been decided")]
+    AlreadyDecided { round: u64 },
+}
+
+impl Rejection {
+    /// True when the sender is provably misbehaving (as opposed to late or out of sync).
+    pub fn is_misbehaviour(&self) -> bool {
+        matches!(
+            self,
+            Rejection::ConflictingCommit { .. } | Rejection::RevealMismatch { .. }
+        )
+    }
+}
+
+#[derive(Debug, Default)]
+struct RoundState {
+    my_nonce: Option<Digest32>,
+    revealed: bool,
+    decided: bool,
+    commits: HashMap<PeerId, Digest32>,
+    reveals: HashMap<PeerId, Digest32>,
+    last_commit_at_ms: u64,
+    last_reveal_at_ms: u64,
+}
+
+/// The commit-reveal state machine for one node.
+#[derive(Debug)]
+pub struct RoundSchedule {
+    timing: Timing,
+    run_id: Digest32,
+    me: PeerId,
+    rounds: BTreeMap<u64, RoundState>,
+    withheld_counts: HashMap<PeerId, u32>,
+}
+
+impl RoundSchedule {
+    pub fn new(timing: Timing, run_id: Digest32, me: PeerId) -> Self {
+        RoundSchedule {
+            timing,
+            run_id,
+            me,
+            rounds: BTreeMap::new(),
+            withheld_counts: HashMap::new(),
+        }
+    }
+
+    pub fn timing(&self) -> &Timing {
+        &self.timing
+    }
+
+    /// Rounds for which control messages are accepted at `now`: the current one, the one
+    /// before (late reveals) and the next (clock skew).
+    pub fn accepts_round(&self, round: u64, now: u64) -> bool {
+        match self.timing.round_at(now) {
+            None => round == 0,
+            Some(current) => round + 1 >= current && round <= current + 1,
+        }
+    }
+
+    /// Takes part in `round` with the caller's fresh random `nonce`; returns the commit to
+    /// publish. Fails once the round's commit window has closed.
+    pub fn join_round(
+        &mut self,
+        round: u64,
+        nonce: Digest32,
+        now: u64,
+    ) -> Result<Action, Rejection> {
+        if now >= self.timing.commit_deadline(round) {
+            return Err(Rejection::LateCommit { round });
+        }
+        let c = commitment(&self.run_id, round, &self.me, &nonce);
+        let state = self.rounds.entry(round).or_default();
+        if state.my_nonce.is_some() {
+            return Err(Rejection::ConflictingCommit { round });
+        }
+        state.my_nonce = Some(nonce);
+        state.commits.insert(self.me, c);
+        Ok(Action::PublishCommit {
+            round,
+            commitment: c,
+        })
+    }
+
+    /// Records a peer's commit.
+    pub fn on_commit(
+        &mut self,
+        from: PeerId,
+        round: u64,
+        commitment: Digest32,
+        now: u64,
+    ) -> Result<(), Rejection> {
+        self.check_window(round, now)?;
+        if now >= self.timing.commit_deadline(round) {
+            return Err(Rejection::LateCommit { round });
+        }
+        let state = self.rounds.entry(round).or_default();
+        match state.commits.get(&from) {
+            Some(existing) if *existing != commitment => {
+                Err(Rejection::ConflictingCommit { round })
+            }
+            _ => {
+                state.commits.insert(from, commitment);
+                state.last_commit_at_ms = state.last_commit_at_ms.max(now);
+                Ok(())
+            }
+        }
+    }
+
+    /// Records a peer's reveal if it matches its commit.
+    pub fn on_reveal(
+        &mut self,
+        from: PeerId,
+        round: u64,
+        nonce: Digest32,
+        now: u64,
+    ) -> Result<(), Rejection> {
+        self.check_window(round, now)?;
+        if now >= self.timing.reveal_deadline(round) {
+            return Err(Rejection::LateReveal { round });
+        }
+        let run_id = self.run_id;
+        let state = self.rounds.entry(round).or_default();
+        if state.decided {
+            return Err(Rejection::AlreadyDecided { round });
+        }
+        let Some(committed) = state.commits.get(&from) else {
+            return Err(Rejection::NoCommit { round });
+        };
+        if *committed != commitment(&run_id, round, &from, &nonce) {
+            return Err(Rejection::RevealMismatch { round });
+        }
+        state.reveals.insert(from, nonce);
+        state.last_reveal_at_ms = state.last_reveal_at_ms.max(now);
+        Ok(())
+    }
+
+    fn check_window(&self, round: u64, now: u64) -> Result<(), Rejection> {
+        if self.accepts_round(round, now) {
+            Ok(())
+        } else {
+            Err(Rejection::OutsideWindow {
+                round,
+                current: self.timing.round_at(now),
+            })
+        }
+    }
+
+    /// Advances time: reveals due at `now` and rounds decided at `now`, in round order.
+    pub fn poll(&mut self, now: u64) -> Vec<Action> {
+        let mut actions = Vec::new();
+        let timing = self.timing.clone();
+        let mut decided_withheld = Vec::new();
+        for (&round, state) in self.rounds.iter_mut() {
+            if let Some(nonce) = state.my_nonce {
+                if !state.revealed
+                    && now >= timing.commit_deadline(round)
+                    && now < timing.reveal_deadline(round)
+                {
+                    state.revealed = true;
+                    state.reveals.insert(self.me, nonce);
+                    actions.push(Action::PublishReveal { round, nonce });
+                }
+            }
+            if !state.decided && now >= timing.reveal_deadline(round) {
+                state.decided = true;
+                let plan = decide(&timing, &self.run_id, &self.me, round, state);
+                decided_withheld.extend(plan.withheld.iter().copied());
+                actions.push(Action::Decided(plan));
+            }
+        }
+        for peer in decided_withheld {
+            *self.withheld_counts.entry(peer).or_default() += 1;
+        }
+        // Forget rounds well behind the current one.
+        if let Some(current) = timing.round_at(now) {
+            let keep_from = current.saturating_sub(2);
+            self.rounds = self.rounds.split_off(&keep_from);
+        }
+        actions
+    }
+
+    /// When `poll` next has something to do (ms since epoch), if anything is pending.
+    pub fn next_wakeup(&self) -> Option<u64> {
+        self.rounds
+            .iter()
+            .filter_map(|(&round, state)| {
+                if state.my_nonce.is_some() && !state.revealed {
+                    Some(self.timing.commit_deadline(round))
+                } else if !state.decided {
+                    Some(self.timing.reveal_deadline(round))
+                } else {
+                    None
+                }
+            })
+            .min()
+    }
+
+    /// How many decided rounds each peer committed to without revealing.
+    pub fn withheld_counts(&self) -> &HashMap<PeerId, u32> {
+        &self.withheld_counts
+    }
+}
+
+fn decide(
+    timing: &Timing,
+    run_id: &Digest32,
+    me: &PeerId,
+    round: u64,
+    state: &RoundState,
+) -> RoundPlan {
+    let mut members: Vec<PeerId> = state.reveals.keys().copied().collect();
+    sort_peers(&mut members);
+    let with_nonces: Vec<(PeerId, Digest32)> =
+        members.iter().map(|p| (*p, state.reveals[p])).collect();
+    let seed = round_seed(run_id, round, &with_nonces);
+    let perm = permutation(&members, &seed);
+    let is_member = state.reveals.contains_key(me);
+    let neighbours = if is_member {
+        neighbours(timing.topology, &perm, me)
+    } else {
+        Vec::new()
+    };
+    let mut withheld: Vec<PeerId> = state
+        .commits
+        .keys()
+        .filter(|p| !state.reveals.contains_key(p))
+        .copied()
+        .collect();
+    sort_peers(&mut withheld);
+    RoundPlan {
+        round,
+        members,
+        seed,
+        permutation: perm,
+        neighbours,
+        is_member,
+        withheld,
+        last_commit_at_ms: state.last_commit_at_ms,
+        last_reveal_at_ms: state.last_reveal_at_ms,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use libp2p::identity::Keypair;
+
+    const GENESIS: u64 = 1_000_000;
+
+    fn timing(topology: Topology) -> Timing {
+        Timing {
+            genesis_ms: GENESIS,
+            period_ms: 1000,
+            commit_window_ms: 200,
+            reveal_window_ms: 200,
+            exchange_timeout_ms: 500,
+            topology,
+        }
+    }
+
+    fn peer(i: u8) -> PeerId {
+        Keypair::ed25519_from_bytes([i + 1; 32])
+            .unwrap()
+            .public()
+            .to_peer_id()
+    }
+
+    /// Delivers every action of `from` to the other schedules (a perfect network, except
+    /// for the reveals of the peers in `drop_reveals_of`).
+    fn deliver(
+        schedules: &mut [RoundSchedule],
+        from: usize,
+        actions: &[Action],
+        now: u64,
+        drop_reveals_of: &[usize],
+    ) {
+        let sender = schedules[from].me;
+        for action in actions {
+            for (i, s) in schedules.iter_mut().enumerate() {
+                if i == from {
+                    continue;
+                }
+                match action {
+                    Action::PublishCommit { round, commitment } => {
+                        s.on_commit(sender, *round, *commitment, now).unwrap()
+                    }
+                    Action::PublishReveal { round, nonce } if !drop_reveals_of.contains(&from) => {
+                        s.on_reveal(sender, *round, *nonce, now).unwrap()
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+
+    fn run_rounds(
+        n: u8,
+        rounds: u64,
+        drop_reveals_of: &[usize],
+        topology: Topology,
+    ) -> Vec<Vec<RoundPlan>> {
+        let mut schedules: Vec<RoundSchedule> = (0..n)
+            .map(|i| RoundSchedule::new(timing(topology), [7; 32], peer(i)))
+            .collect();
+        let mut plans = vec![Vec::new(); n as usize];
+        for round in 0..rounds {
+            let start = GENESIS + round * 1000;
+            for i in 0..schedules.len() {
+                let nonce = [(round as u8).wrapping_mul(31) ^ i as u8; 32];
+                let a = schedules[i].join_round(round, nonce, start + 10).unwrap();
+                deliver(&mut schedules, i, &[a], start + 20, drop_reveals_of);
+            }
+            for now in [start + 200, start + 400] {
+                for i in 0..schedules.len() {
+                    let actions = schedules[i].poll(now);
+                    deliver(&mut schedules, i, &actions, now + 1, drop_reveals_of);
+                    for a in actions {
+                        if let Action::Decided(plan) = a {
+                            plans[i].push(plan);
+                        }
+                    }
+                }
+            }
+        }
+        plans
+    }
+
+    #[test]
+    fn all_nodes_derive_the_same_permutation_every_round() {
+        let plans = run_rounds(8, 20, &[], Topology::OnePeer);
+        for round in 0..20 {
+            let reference = &plans[0][round];
+            assert_eq!(reference.members.len(), 8);
+            for node in &plans {
+                assert_eq!(node[round].permutation, reference.permutation);
+                assert!(node[round].is_member);
+                assert_eq!(node[round].neighbours.len(), 1);
+            }
+        }
+        // The permutation changes between rounds.
+        assert_ne!(plans[0][0].permutation, plans[0][1].permutation);
+    }
+
+    #[test]
+    fn a_withheld_reveal_excludes_that_node_and_the_rest_agree() {
+        let plans = run_rounds(8, 3, &[5], Topology::TwoPeer);
+        let withholder = peer(5);
+        for round in 0..3 {
+            let reference = &plans[0][round];
+            assert_eq!(reference.members.len(), 7);
+            assert!(!reference.members.contains(&withholder));
+            assert_eq!(reference.withheld, vec![withholder]);
+            for (i, node) in plans.iter().enumerate() {
+                if i == 5 {
+                    // Its own view includes itself but nobody counts it.
+                    assert!(node[round].is_member);
+                    continue;
+                }
+                assert_eq!(node[round].permutation, reference.permutation);
+                assert!(!node[round].neighbours.contains(&withholder));
+                assert_eq!(node[round].neighbours.len(), 2);
+            }
+        }
+    }
+
+    #[test]
+    fn late_conflicting_and_forged_messages_are_rejected_without_effect() {
+        let t = timing(Topology::Complete);
+        let mut s = RoundSchedule::new(t.clone(), [1; 32], peer(0));
+        let other = peer(1);
+        let nonce = [9; 32];
+        let good = commitment(&[1; 32], 0, &other, &nonce);
+        assert_eq!(
+            s.on_commit(other, 0, good, GENESIS + 200),
+            Err(Rejection::LateCommit { round: 0 })
+        );
+        assert_eq!(
+            s.on_commit(other, 5, good, GENESIS + 10),
+            Err(Rejection::OutsideWindow {
+                round: 5,
+                current: Some(0)
+            })
+        );
+        s.on_commit(other, 0, good, GENESIS + 10).unwrap();
+        assert_eq!(
+            s.on_commit(other, 0, [0; 32], GENESIS + 11),
+            Err(Rejection::ConflictingCommit { round: 0 })
+        );
+        assert_eq!(
+            s.on_reveal(other, 0, [8; 32], GENESIS + 250),
+            Err(Rejection::RevealMismatch { round: 0 })
+        );
+        assert_eq!(
+            s.on_reveal(peer(2), 0, nonce, GENESIS + 250),
+            Err(Rejection::NoCommit { round: 0 })
+        );
+        assert_eq!(
+            s.on_reveal(other, 0, nonce, GENESIS + 400),
+            Err(Rejection::LateReveal { round: 0 })
+        );
+        s.on_reveal(other, 0, nonce, GENESIS + 399).unwrap();
+        let actions = s.poll(GENESIS + 400);
+        let [Action::Decided(plan)] = actions.as_slice() else {
+            panic!("{actions:?}")
+        };
+        // peer(0) never joined: it sees the round but is not a member.
+        assert_eq!(plan.members, vec![other]);
+        assert!(!plan.is_member && plan.neighbours.is_empty());
+        assert!(s.join_round(1, nonce, GENESIS + 1200).is_err());
+        assert_eq!(s.next_wakeup(), None);
+    }
+
+    #[test]
+    fn timing_refuses_windows_that_do_not_fit_and_finds_the_next_round() {
+        let mut t = timing(Topology::OnePeer);
+        assert_eq!(t.round_at(GENESIS - 1), None);
+        assert_eq!(t.round_at(GENESIS + 2500), Some(2));
+        assert_eq!(t.next_joinable_round(GENESIS + 2100), 2);
+        assert_eq!(t.next_joinable_round(GENESIS + 2300), 3);
+        assert_eq!(Timing::from_wire(&t.to_wire()).unwrap(), t);
+        t.reveal_window_ms = 900;
+        assert!(t
+            .validate()
+            .unwrap_err()
+            .contains("shorter than the round period"));
+    }
+}

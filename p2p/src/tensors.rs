@@ -1,0 +1,143 @@
+//! Named, typed byte tensors: what the exchange and state-sync protocols move.
+//!
+//! The network never interprets tensor bytes; it checks names, dtypes, shapes, lengths and
+//! checksums. Converting to and from libtorch tensors is the node's job.
+
+use gasloc_proto::wire::DType;
+
+/// One tensor as contiguous little-endian bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tensor {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub data: Vec<u8>,
+}
+
+impl Tensor {
+    /// A tensor whose byte length matches `shape` and `dtype`, or an error naming the mismatch.
+    pub fn new(
+        name: impl Into<String>,
+        dtype: DType,
+        shape: Vec<u64>,
+        data: Vec<u8>,
+    ) -> Result<Self, String> {
+        let name = name.into();
+        let expected = TensorSpec::byte_length_of(dtype, &shape)
+            .ok_or_else(|| format!("tensor {name}: shape {shape:?} overflows or dtype unset"))?;
+        if expected != data.len() as u64 {
+            return Err(format!(
+                "tensor {name}: {} bytes but shape {shape:?} of {dtype:?} needs {expected}",
+                data.len()
+            ));
+        }
+        Ok(Tensor {
+            name,
+            dtype,
+            shape,
+            data,
+        })
+    }
+
+    pub fn spec(&self) -> TensorSpec {
+        TensorSpec {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+        }
+    }
+}
+
+/// The name, dtype and shape a receiver expects for one tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+}
+
+impl TensorSpec {
+    /// Bytes of a tensor of this dtype and shape; `None` on overflow or unknown dtype.
+    pub fn byte_length_of(dtype: DType, shape: &[u64]) -> Option<u64> {
+        shape
+            .iter()
+            .try_fold(dtype.size()?, |acc, &d| acc.checked_mul(d))
+    }
+
+    pub fn byte_length(&self) -> Option<u64> {
+        Self::byte_length_of(self.dtype, &self.shape)
+    }
+}
+
+/// An ordered set of tensors (a model state, a payload).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TensorSet {
+    pub tensors: Vec<Tensor>,
+}
+
+impl TensorSet {
+    pub fn new(tensors: Vec<Tensor>) -> Self {
+        TensorSet { tensors }
+    }
+
+    /// The table a receiver of this set should expect.
+    pub fn specs(&self) -> Vec<TensorSpec> {
+        self.tensors.iter().map(Tensor::spec).collect()
+    }
+
+    /// Total payload bytes.
+    pub fn byte_length(&self) -> u64 {
+        self.tensors.iter().map(|t| t.data.len() as u64).sum()
+    }
+
+    /// Deterministic pseudo-random tensors (xorshift bytes) for tests and the synthetic
+    /// trainer: `count` f32 tensors named `synthetic.<i>`, `bytes_each` bytes each
+    /// (rounded down to a multiple of 4).
+    pub fn synthetic(count: usize, bytes_each: usize, seed: u64) -> TensorSet {
+        let elems = bytes_each / 4;
+        let mut state = seed | 1;
+        let tensors = (0..count)
+            .map(|i| {
+                let mut data = vec![0u8; elems * 4];
+                for word in data.chunks_exact_mut(8) {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    word.copy_from_slice(&state.to_le_bytes());
+                }
+                let rest = data.len() / 8 * 8;
+                for b in &mut data[rest..] {
+                    *b = state as u8;
+                }
+                Tensor {
+                    name: format!("synthetic.{i}"),
+                    dtype: DType::F32,
+                    shape: vec![elems as u64],
+                    data,
+                }
+            })
+            .collect();
+        TensorSet { tensors }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_new_refuses_a_length_that_does_not_match_the_shape() {
+        let err = Tensor::new("w", DType::F32, vec![2, 3], vec![0; 23]).unwrap_err();
+        assert!(err.contains("needs 24"), "{err}");
+        assert!(Tensor::new("w", DType::F32, vec![2, 3], vec![0; 24]).is_ok());
+        assert!(TensorSpec::byte_length_of(DType::F32, &[u64::MAX, 2]).is_none());
+    }
+
+    #[test]
+    fn synthetic_sets_are_deterministic_and_seed_dependent() {
+        let a = TensorSet::synthetic(2, 1000, 7);
+        assert_eq!(a, TensorSet::synthetic(2, 1000, 7));
+        assert_ne!(a, TensorSet::synthetic(2, 1000, 8));
+        assert_eq!(a.byte_length(), 2000);
+    }
+}

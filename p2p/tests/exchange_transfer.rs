@@ -1,0 +1,107 @@
+//! Two real swarms on loopback exchange tensor sets over QUIC and over TCP.
+
+mod common;
+
+use common::*;
+use gasloc_p2p::exchange::{OutgoingPayload, SendOptions};
+use gasloc_p2p::tensors::TensorSet;
+use gasloc_proto::wire::PayloadKind;
+use std::sync::Arc;
+use std::time::Duration;
+
+async fn exchange_pair(
+    transport: Transport,
+    bytes_each: usize,
+    tensors: usize,
+    zstd_level: Option<i32>,
+) {
+    init_tracing();
+    let keys = sorted_keypairs(2);
+    let a = start(keys[0].clone(), transport, vec![]).await;
+    let b = start(keys[1].clone(), transport, vec![full_addr(&a)]).await;
+    let (pa, pb) = (a.client.peer_id(), b.client.peer_id());
+    wait_connected(&a, pb).await;
+    let (sa, sb) = (service(&a), service(&b));
+    let set_a = Arc::new(TensorSet::synthetic(tensors, bytes_each, 1));
+    let set_b = Arc::new(TensorSet::synthetic(tensors, bytes_each, 2));
+    let table = Arc::new(set_a.specs());
+    let send = SendOptions {
+        zstd_level,
+        ..SendOptions::default()
+    };
+    let pay_a = Arc::new(OutgoingPayload::new(
+        PayloadKind::Model,
+        set_a.clone(),
+        send.clone(),
+    ));
+    let pay_b = Arc::new(OutgoingPayload::new(
+        PayloadKind::Model,
+        set_b.clone(),
+        send,
+    ));
+    let timeout = Duration::from_secs(240);
+    let (to_b, to_a) = ([pb], [pa]);
+    let (ra, rb) = tokio::join!(
+        sa.exchange_round(7, &to_b, pay_a, Some(table.clone()), timeout),
+        sb.exchange_round(7, &to_a, pay_b, Some(table), timeout),
+    );
+    let (peer, got_b) = ra.into_iter().next().unwrap();
+    assert_eq!(peer, pb);
+    let got_b = got_b.expect("a receives b's payload");
+    let (peer, got_a) = rb.into_iter().next().unwrap();
+    assert_eq!(peer, pa);
+    let got_a = got_a.expect("b receives a's payload");
+    assert!(got_a == *set_a, "a's tensors arrive byte for byte");
+    assert!(got_b == *set_b, "b's tensors arrive byte for byte");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quic_exchanges_256_mib_byte_for_byte() {
+    exchange_pair(Transport::Quic, 64 << 20, 4, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_exchanges_256_mib_byte_for_byte() {
+    exchange_pair(Transport::Tcp, 64 << 20, 4, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zstd_encoded_exchange_round_trips() {
+    // Odd sizes: chunks that do not divide the tensors, a tensor smaller than a chunk.
+    exchange_pair(Transport::Quic, 3 * (1 << 20) + 12, 3, Some(3)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_arrives_before_the_responder_reaches_the_round_waits_for_it() {
+    init_tracing();
+    let keys = sorted_keypairs(2);
+    let a = start(keys[0].clone(), Transport::Tcp, vec![]).await;
+    let b = start(keys[1].clone(), Transport::Tcp, vec![full_addr(&a)]).await;
+    let (pa, pb) = (a.client.peer_id(), b.client.peer_id());
+    wait_connected(&a, pb).await;
+    let (sa, sb) = (service(&a), service(&b));
+    let pay = Arc::new(OutgoingPayload::new(
+        PayloadKind::Model,
+        Arc::new(TensorSet::synthetic(1, 1 << 20, 5)),
+        SendOptions::default(),
+    ));
+    // a opens the stream (smaller peer id) for round 1000 while b has not started any round.
+    let early = {
+        let (sa, pay) = (sa.clone(), pay.clone());
+        tokio::spawn(async move {
+            sa.exchange_round(1000, &[pb], pay, None, Duration::from_secs(20))
+                .await
+        })
+    };
+    let mut reports = sb.reports();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        reports.try_recv().is_err(),
+        "b has not refused the early stream"
+    );
+    let late = sb
+        .exchange_round(1000, &[pa], pay.clone(), None, Duration::from_secs(20))
+        .await;
+    assert!(late[0].1.is_ok(), "{:?}", late[0].1);
+    assert!(early.await.unwrap()[0].1.is_ok());
+}

@@ -1,0 +1,72 @@
+//! `/gasloc/state/1`: a joining node streams a live peer's state, verified like an exchange.
+
+mod common;
+
+use common::*;
+use gasloc_p2p::exchange::{ExchangeError, OutgoingPayload, SendOptions};
+use gasloc_p2p::tensors::TensorSet;
+use gasloc_proto::wire::{PayloadKind, RefusalReason};
+use std::sync::Arc;
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joining_node_fetches_the_current_state_or_a_clear_refusal() {
+    init_tracing();
+    let keys = sorted_keypairs(2);
+    let live = start(keys[0].clone(), Transport::Quic, vec![]).await;
+    let joiner = start(keys[1].clone(), Transport::Quic, vec![full_addr(&live)]).await;
+    wait_connected(&joiner, live.client.peer_id()).await;
+    let (live_service, joiner_service) = (service(&live), service(&joiner));
+
+    // Nothing to share yet: a refusal that says so.
+    let err = joiner_service
+        .fetch_state(live.client.peer_id(), None, Duration::from_secs(10))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ExchangeError::Refused {
+                reason: RefusalReason::NoState,
+                ..
+            }
+        ),
+        "{err}"
+    );
+
+    let state = Arc::new(TensorSet::synthetic(3, (1 << 20) + 8, 11));
+    live_service.set_state(
+        12,
+        Arc::new(OutgoingPayload::new(
+            PayloadKind::State,
+            state.clone(),
+            SendOptions {
+                chunk_size: 1 << 18,
+                zstd_level: Some(1),
+            },
+        )),
+    );
+    let (round, got) = joiner_service
+        .fetch_state(
+            live.client.peer_id(),
+            Some(Arc::new(state.specs())),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    assert_eq!(round, 12);
+    assert!(got == *state);
+
+    // A joiner expecting another model refuses the state (table mismatch) without using it.
+    let mut wrong = state.specs();
+    wrong[0].shape = vec![1];
+    let err = joiner_service
+        .fetch_state(
+            live.client.peer_id(),
+            Some(Arc::new(wrong)),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ExchangeError::TableMismatch(_)), "{err}");
+}

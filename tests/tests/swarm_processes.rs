@@ -1,0 +1,187 @@
+//! A real bootstrap process and six `gasloc-node join --synthetic` processes on loopback run
+//! ten rounds: every node agrees on each round's permutation and every pairing is mutual.
+
+use gasloc_tests::built_binary;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const MANIFEST: &str = r#"
+name = "swarm-test"
+seed = 1
+[model]
+size = "tiny"
+[data]
+tokenizer = "byte"
+seq_len = 64
+micro_batch = 4
+[optimizer]
+decay_steps = 100
+"#;
+
+/// Kills its processes when dropped (also when an assertion fails).
+struct Processes(Vec<Child>);
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for child in &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn wait_for_file(path: &Path, bound: Duration) -> String {
+    let start = Instant::now();
+    while start.elapsed() < bound {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            if !text.is_empty() {
+                return text;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("{} did not appear within {bound:?}", path.display());
+}
+
+#[test]
+fn bootstrap_and_six_nodes_run_ten_rounds_with_mutual_pairings() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("run.toml");
+    std::fs::write(&manifest, MANIFEST).unwrap();
+    let addr_file = dir.path().join("bootstrap.addrs");
+    let mut processes = Processes(Vec::new());
+    processes.0.push(
+        Command::new(built_binary("gasloc-bootstrap"))
+            .arg("--run")
+            .arg(&manifest)
+            .args([
+                "--listen",
+                "/ip4/127.0.0.1/udp/0/quic-v1",
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+            ])
+            .arg("--addr-file")
+            .arg(&addr_file)
+            .args(["--identity"])
+            .arg(dir.path().join("bootstrap.key"))
+            .args(["--genesis-delay-ms", "6000", "--round-period-ms", "2000"])
+            .args(["--commit-window-ms", "500", "--reveal-window-ms", "500"])
+            .args(["--exchange-timeout-ms", "900", "--topology", "one-peer"])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("gasloc-bootstrap starts"),
+    );
+    let addrs = wait_for_file(&addr_file, Duration::from_secs(30));
+    let quic = addrs
+        .lines()
+        .find(|a| a.contains("/quic-v1/"))
+        .expect("bootstrap listens on QUIC")
+        .to_string();
+    assert!(quic.contains("/p2p/"), "{quic}");
+
+    let n = 6;
+    let mut nodes = Vec::new();
+    for i in 0..n {
+        let report = dir.path().join(format!("node{i}.jsonl"));
+        let child = Command::new(built_binary("gasloc-node"))
+            .args(["join", "--bootstrap", &quic])
+            .args([
+                "--listen",
+                "/ip4/127.0.0.1/udp/0/quic-v1",
+                "--listen",
+                "/ip4/127.0.0.1/tcp/0",
+            ])
+            .args(["--synthetic", "--payload-bytes", "262144", "--tensors", "2"])
+            .args([
+                "--inner-steps",
+                "5",
+                "--step-time-ms",
+                "20",
+                "--rounds",
+                "10",
+            ])
+            .arg("--identity")
+            .arg(dir.path().join(format!("node{i}.key")))
+            .arg("--report")
+            .arg(&report)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("gasloc-node starts");
+        nodes.push((child, report));
+    }
+    let start = Instant::now();
+    let mut reports = Vec::new();
+    for (mut child, report) in nodes {
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if start.elapsed() > Duration::from_secs(120) {
+                let _ = child.kill();
+                panic!("a node did not finish 10 rounds within 120 s");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        assert!(status.success(), "gasloc-node join failed: {status}");
+        reports.push(report);
+    }
+
+    let mut rounds: BTreeMap<u64, Vec<Value>> = BTreeMap::new();
+    for report in &reports {
+        let text = std::fs::read_to_string(report).unwrap();
+        let records: Vec<Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(records.len(), 10, "{}", report.display());
+        for record in records {
+            rounds
+                .entry(record["round"].as_u64().unwrap())
+                .or_default()
+                .push(record);
+        }
+    }
+    let mut full_rounds = 0;
+    for (round, records) in &rounds {
+        for r in records {
+            assert_eq!(r["permutation"], records[0]["permutation"], "round {round}");
+            let me = r["peer"].as_str().unwrap();
+            for neighbour in r["neighbours"].as_array().unwrap() {
+                let partner = records
+                    .iter()
+                    .find(|p| p["peer"] == *neighbour)
+                    .unwrap_or_else(|| {
+                        panic!("round {round}: partner {neighbour} reported nothing")
+                    });
+                assert!(
+                    partner["neighbours"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .any(|x| x == me),
+                    "round {round}: pairing of {me} and {neighbour} is not mutual"
+                );
+            }
+            assert_eq!(
+                r["exchanged"], r["neighbours"],
+                "round {round}: {}",
+                r["failed"]
+            );
+        }
+        if records.len() == n {
+            full_rounds += 1;
+            assert_eq!(
+                records[0]["members"].as_array().unwrap().len(),
+                n,
+                "round {round}"
+            );
+        }
+    }
+    assert!(
+        full_rounds >= 8,
+        "only {full_rounds} rounds had all six nodes"
+    );
+}
