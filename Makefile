@@ -62,6 +62,8 @@ test: setup
 bench: setup
 	cargo build --release --workspace
 	bash bench/train_throughput.sh
+	bench/exchange_goodput $(if $(filter 0,$(shell id -u)),all,loopback)
+	bench/control_plane_scale
 
 clean:
 	cargo clean
