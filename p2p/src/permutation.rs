@@ -3,10 +3,9 @@
 //! Pure functions, specified byte for byte in `docs/protocol.md` so that any implementation
 //! derives the same permutation from the same reveals (`ALGORITHMS.md` §3).
 
+use gasloc_proto::topology;
 use gasloc_proto::wire::{Topology, DIGEST_LEN};
 use libp2p::PeerId;
-use rand_chacha::rand_core::{RngCore, SeedableRng};
-use rand_chacha::ChaCha20Rng;
 use sha2::{Digest, Sha256};
 
 pub type Digest32 = [u8; DIGEST_LEN];
@@ -43,32 +42,10 @@ pub fn round_seed(run_id: &Digest32, round: u64, members: &[(PeerId, Digest32)])
     h.finalize().into()
 }
 
-/// A uniform integer in `0..bound`: draw `x = next_u64()`; with
-/// `zone = u64::MAX - ((u64::MAX - bound + 1) % bound)`, accept when `x <= zone` and return
-/// `x % bound`, otherwise draw again (`zone + 1` is a multiple of `bound`).
-pub fn uniform_below(rng: &mut ChaCha20Rng, bound: u64) -> u64 {
-    assert!(bound > 0, "uniform_below needs a positive bound");
-    let zone = u64::MAX - (u64::MAX - bound + 1) % bound;
-    loop {
-        let x = rng.next_u64();
-        if x <= zone {
-            return x % bound;
-        }
-    }
-}
-
-/// The round's permutation of `0..n`: Fisher–Yates driven by ChaCha20 seeded with `seed`:
-/// for `i` from `n-1` down to `1`, swap `i` with `uniform_below(i + 1)`. (The same function
-/// as `gasloc_proto::topology::permutation` on the `algo` branch; one of the two goes when
-/// they meet.)
+/// The round's permutation of `0..n`: [`gasloc_proto::topology::permutation`] (Fisher–Yates
+/// driven by ChaCha20 seeded with `seed`), the same function the simulator uses.
 pub fn index_permutation(seed: &Digest32, n: usize) -> Vec<usize> {
-    let mut rng = ChaCha20Rng::from_seed(*seed);
-    let mut order: Vec<usize> = (0..n).collect();
-    for i in (1..n).rev() {
-        let j = uniform_below(&mut rng, i as u64 + 1) as usize;
-        order.swap(i, j);
-    }
-    order
+    topology::permutation(*seed, n)
 }
 
 /// The members in permuted order: `index_permutation(seed, n)` applied to the canonically
@@ -81,42 +58,31 @@ pub fn permutation(sorted_members: &[PeerId], seed: &Digest32) -> Vec<PeerId> {
 }
 
 /// `me`'s neighbours in the permutation `perm` under `topology`; empty if `me` is not in it.
-/// One-peer pairs `(π0, π1), (π2, π3), …` (an odd last member has none); two-peer is the ring
-/// `π0 → π1 → … → π(n−1) → π0` (n = 2: the one other member); complete is everyone else.
+/// The neighbour sets are [`gasloc_proto::topology::Topology::neighbours`] over positions in
+/// `perm`: one-peer pairs `(π0, π1), (π2, π3), …` (an odd last member has none); two-peer is
+/// the ring `π0 → π1 → … → π(n−1) → π0` (n = 2: the one other member); complete is everyone.
 pub fn neighbours(topology: Topology, perm: &[PeerId], me: &PeerId) -> Vec<PeerId> {
     let Some(pos) = perm.iter().position(|p| p == me) else {
         return Vec::new();
     };
-    let n = perm.len();
-    match topology {
-        Topology::OnePeer | Topology::Unspecified => {
-            let partner = pos ^ 1;
-            if partner < n {
-                vec![perm[partner]]
-            } else {
-                Vec::new()
-            }
-        }
-        Topology::TwoPeer => {
-            if n < 2 {
-                return Vec::new();
-            }
-            let next = perm[(pos + 1) % n];
-            let prev = perm[(pos + n - 1) % n];
-            if next == prev {
-                vec![next]
-            } else {
-                vec![prev, next]
-            }
-        }
-        Topology::Complete => perm.iter().filter(|p| *p != me).copied().collect(),
-    }
+    let shape = match topology {
+        Topology::OnePeer | Topology::Unspecified => topology::Topology::OnePeer,
+        Topology::TwoPeer => topology::Topology::TwoPeer,
+        Topology::Complete => topology::Topology::Complete,
+    };
+    let positions: Vec<usize> = (0..perm.len()).collect();
+    shape.neighbours(&positions)[pos]
+        .iter()
+        .map(|&k| perm[k])
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use libp2p::identity::Keypair;
+    use rand_chacha::rand_core::{RngCore, SeedableRng};
+    use rand_chacha::ChaCha20Rng;
 
     fn peers(n: u8) -> Vec<PeerId> {
         let mut v: Vec<PeerId> = (0..n)
@@ -185,16 +151,5 @@ mod tests {
             .public()
             .to_peer_id();
         assert!(neighbours(Topology::Complete, &peers(3), &outsider).is_empty());
-    }
-
-    #[test]
-    fn uniform_below_covers_its_range() {
-        let mut rng = ChaCha20Rng::from_seed([3; 32]);
-        let mut seen = [false; 5];
-        for _ in 0..200 {
-            seen[uniform_below(&mut rng, 5) as usize] = true;
-        }
-        assert!(seen.iter().all(|s| *s));
-        assert_eq!(uniform_below(&mut rng, 1), 0);
     }
 }

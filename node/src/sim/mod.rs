@@ -322,8 +322,10 @@ impl Simulation {
         }
 
         let o = self.manifest.outer.clone();
-        let full_sync =
-            o.payload == Payload::Lordo && self.round % self.manifest.lordo.full_sync_every == 0;
+        let full_sync = o.payload == Payload::Lordo
+            && self
+                .round
+                .is_multiple_of(self.manifest.lordo.full_sync_every);
         let models: Vec<Vec<Tensor>> = self
             .workers
             .iter()
@@ -573,7 +575,7 @@ impl Simulation {
             .map(|w| w.anchor.iter().map(Tensor::shallow_clone).collect())
             .collect();
         let evaluate =
-            self.round % self.options.eval_every == 0 || self.round == self.options.rounds;
+            self.round.is_multiple_of(self.options.eval_every) || self.round == self.options.rounds;
         // DiLoCo and ddp keep every worker identical: one evaluation is the mean.
         let evaluated = match self.manifest.outer.algorithm {
             Algorithm::Diloco | Algorithm::Ddp => &self.workers[..1],
