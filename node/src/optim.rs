@@ -120,8 +120,13 @@ impl AdamW {
             if p.decay && c.weight_decay > 0.0 {
                 p.param *= 1.0 - lr * c.weight_decay;
             }
-            let denom = update_moments(&mut p.exp_avg, &mut p.exp_avg_sq, &grad, c, bias2_sqrt);
-            let _ = p.param.addcdiv_(&(&p.exp_avg * (-lr / bias1)), &denom);
+            let mut denom = update_moments(&mut p.exp_avg, &mut p.exp_avg_sq, &grad, c, bias2_sqrt);
+            if lr > 0.0 {
+                // θ ← θ − (lr / (1 − β1^t)) · m / denom, folding the scalar into the
+                // denominator in place: no parameter-sized temporary beyond `denom`.
+                denom *= -bias1 / lr;
+                let _ = p.param.addcdiv_(&p.exp_avg, &denom);
+            }
         }
     }
 }
@@ -144,7 +149,11 @@ pub fn update_moments(
     let _ = exp_avg.lerp_(grad, 1.0 - c.beta1);
     *exp_avg_sq *= c.beta2;
     let _ = exp_avg_sq.addcmul_(grad, &(grad * (1.0 - c.beta2)));
-    (exp_avg_sq.sqrt() / bias2_sqrt) + c.eps
+    // One new tensor, then in place (each temporary of a 125M model is 0.5 GB of traffic).
+    let mut denom = exp_avg_sq.sqrt();
+    denom /= bias2_sqrt;
+    denom += c.eps;
+    denom
 }
 
 /// Scales the gradients of `params` so their global L2 norm is at most `max_norm` (as
@@ -153,16 +162,16 @@ pub fn update_moments(
 pub fn clip_grad_norm(params: &[Tensor], max_norm: f64) -> f64 {
     let _guard = tch::no_grad_guard();
     let grads: Vec<Tensor> = params.iter().map(Tensor::grad).collect();
-    let squares: Vec<Tensor> = grads
+    // Per-tensor L2 norms (no gradient-sized temporaries), then the norm of the norms.
+    let norms: Vec<Tensor> = grads
         .iter()
         .filter(|g| g.defined())
-        .map(|g| g.square().sum(tch::Kind::Float))
+        .map(Tensor::norm)
         .collect();
-    if squares.is_empty() {
+    if norms.is_empty() {
         return 0.0;
     }
-    let total = Tensor::stack(&squares, 0).sum(tch::Kind::Float).sqrt();
-    let norm = total.double_value(&[]);
+    let norm = Tensor::stack(&norms, 0).norm().double_value(&[]);
     if max_norm > 0.0 {
         let coef = (max_norm / (norm + 1e-6)).min(1.0);
         if coef < 1.0 {
