@@ -54,9 +54,10 @@ struct Args {
     /// Exchange timeout in milliseconds.
     #[arg(long, default_value_t = 30_000)]
     exchange_timeout_ms: u64,
-    /// Neighbour structure: one-peer, two-peer or complete.
-    #[arg(long, default_value = "one-peer")]
-    topology: String,
+    /// Neighbour structure: one-peer, two-peer or complete (default: the manifest's
+    /// `[outer] topology`).
+    #[arg(long)]
+    topology: Option<String>,
     /// Relay circuits at once.
     #[arg(long, default_value_t = 64)]
     relay_max_circuits: usize,
@@ -108,6 +109,19 @@ fn parse_topology(s: &str) -> Result<Topology> {
     })
 }
 
+/// The swarm topology of the manifest's `[outer] topology`.
+fn manifest_topology(manifest: &RunManifest) -> Result<Topology> {
+    use gasloc_proto::topology::Topology as Graph;
+    Ok(match manifest.outer.topology {
+        Graph::OnePeer => Topology::OnePeer,
+        Graph::TwoPeer => Topology::TwoPeer,
+        Graph::Complete => Topology::Complete,
+        Graph::Ring => bail!(
+            "[outer] topology = \"ring\" is a simulator baseline; a swarm needs one-peer, two-peer or complete"
+        ),
+    })
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
     tracing_subscriber::fmt()
@@ -130,7 +144,10 @@ async fn main() -> Result<()> {
         commit_window_ms: args.commit_window_ms,
         reveal_window_ms: args.reveal_window_ms,
         exchange_timeout_ms: args.exchange_timeout_ms,
-        topology: parse_topology(&args.topology)?,
+        topology: match &args.topology {
+            Some(t) => parse_topology(t)?,
+            None => manifest_topology(&manifest)?,
+        },
     };
     timing
         .validate()

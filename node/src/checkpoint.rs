@@ -30,6 +30,8 @@ pub const MODEL_FILE: &str = "model.safetensors";
 pub const CONFIG_FILE: &str = "config.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const STATE_FILE: &str = "train_state.json";
+/// The outer optimizer's momentum of a swarm node (absent for single-node training).
+pub const OUTER_FILE: &str = "outer.safetensors";
 pub const MANIFEST_FILE: &str = "run.toml";
 const LATEST: &str = "latest";
 const STATE_FORMAT: &str = "gasloc-train-state/1";
@@ -44,6 +46,9 @@ pub struct TrainState {
     pub worker_index: usize,
     pub worker_count: usize,
     pub stream: StreamCursor,
+    /// For a swarm node: the round the saved anchor begins (the next one it takes part in).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub round: Option<u64>,
 }
 
 impl TrainState {
@@ -55,6 +60,7 @@ impl TrainState {
             worker_index: slot.index,
             worker_count: slot.count,
             stream,
+            round: None,
         }
     }
 }
@@ -66,6 +72,8 @@ pub struct Checkpoint {
     /// `(name, exp_avg, exp_avg_sq)` per parameter; empty for a model-only (HF) directory.
     pub moments: Vec<(String, Tensor, Tensor)>,
     pub state: Option<TrainState>,
+    /// The outer momentum per parameter (a swarm node's); empty otherwise.
+    pub outer_momentum: Vec<(String, Tensor)>,
 }
 
 /// The directory name of the checkpoint of `step`.
@@ -111,6 +119,9 @@ fn write_step_dir(dir: &Path, ckpt: &Checkpoint, state: &TrainState) -> Result<(
         moments.push((format!("exp_avg_sq.{name}"), v.shallow_clone()));
     }
     write_tensors(&dir.join(OPTIMIZER_FILE), &moments)?;
+    if !ckpt.outer_momentum.is_empty() {
+        write_tensors(&dir.join(OUTER_FILE), &ckpt.outer_momentum)?;
+    }
     write_file(&dir.join(STATE_FILE), &serde_json::to_vec_pretty(state)?)?;
     sync_dir(dir)
 }
@@ -220,11 +231,18 @@ pub fn load(path: &Path, manifest: Option<&RunManifest>) -> Result<Checkpoint> {
     } else {
         (Vec::new(), None)
     };
+    let outer_file = dir.join(OUTER_FILE);
+    let outer_momentum = if outer_file.exists() {
+        read_tensors(&outer_file)?
+    } else {
+        Vec::new()
+    };
     Ok(Checkpoint {
         manifest,
         model,
         moments,
         state,
+        outer_momentum,
     })
 }
 

@@ -6,6 +6,7 @@
 //! * [`optim`]: AdamW, the learning-rate schedule and gradient clipping;
 //! * [`trainer`]: one model + optimizer + data stream, stepping and evaluating;
 //! * [`checkpoint`]: Hugging Face-compatible checkpoints plus gasloc's training state;
+//! * [`volunteer`]: the trainer behind `gasloc-node join` (rounds on its own thread);
 //! * [`device`]: `--device` parsing.
 //!
 //! Token data lives in the torch-free `gasloc-data` crate, the run manifest in
@@ -18,3 +19,4 @@ pub mod model;
 pub mod optim;
 pub mod sim;
 pub mod trainer;
+pub mod volunteer;

@@ -59,6 +59,19 @@ impl Trainer {
         data: Arc<TokenDataset>,
         slot: WorkerSlot,
     ) -> Result<Trainer> {
+        Self::with_stream_seed(manifest, device, data, slot, manifest.seed)
+    }
+
+    /// [`Trainer::new`] with the data stream shuffled by `stream_seed` instead of the run's
+    /// seed: a swarm node derives it from its peer id, so volunteers read the data in
+    /// different orders without knowing how many of them there are.
+    pub fn with_stream_seed(
+        manifest: &RunManifest,
+        device: Device,
+        data: Arc<TokenDataset>,
+        slot: WorkerSlot,
+        stream_seed: u64,
+    ) -> Result<Trainer> {
         tch::manual_seed(manifest.seed as i64);
         let mut vs = nn::VarStore::new(device);
         let model = if device == Device::Cpu {
@@ -83,7 +96,7 @@ impl Trainer {
             manifest.data.seq_len,
             manifest.data.micro_batch,
             slot,
-            manifest.seed,
+            stream_seed,
         )?;
         Ok(Trainer {
             run_id: manifest.run_id(),
@@ -109,6 +122,18 @@ impl Trainer {
     ) -> Result<Trainer> {
         let dir = checkpoint::resolve(checkpoint_path)?;
         let ckpt = checkpoint::load(&dir, Some(manifest))?;
+        Self::from_checkpoint(manifest, device, data, slot, &ckpt, &dir)
+    }
+
+    /// [`Trainer::resume`] from a checkpoint already read from `dir`.
+    pub fn from_checkpoint(
+        manifest: &RunManifest,
+        device: Device,
+        data: Arc<TokenDataset>,
+        slot: WorkerSlot,
+        ckpt: &Checkpoint,
+        dir: &Path,
+    ) -> Result<Trainer> {
         let Some(state) = &ckpt.state else {
             bail!(
                 "{} holds a model but no gasloc train state: use --init-from to start from it",
@@ -133,8 +158,9 @@ impl Trainer {
                 slot.count
             );
         }
-        let mut trainer = Trainer::new(manifest, device, data, slot)?;
-        trainer.load_parameters(&ckpt, &dir)?;
+        let mut trainer =
+            Trainer::with_stream_seed(manifest, device, data, slot, state.stream.seed)?;
+        trainer.load_parameters(ckpt, dir)?;
         let targets: Vec<(String, Tensor)> = trainer
             .adamw()?
             .params()
@@ -159,7 +185,7 @@ impl Trainer {
                 ]
             })
             .collect();
-        checkpoint::copy_into(&sources, &targets, &dir, false)?;
+        checkpoint::copy_into(&sources, &targets, dir, false)?;
         trainer.optimizer.set_steps(state.step);
         trainer
             .stream
@@ -321,12 +347,31 @@ impl Trainer {
                 &self.slot,
                 self.stream.cursor(),
             )),
+            outer_momentum: Vec::new(),
         })
     }
 
     fn to_device(&self, batch: &Batch) -> (Tensor, Tensor) {
         batch_tensors(batch, self.device)
     }
+}
+
+/// The run's validation batches (`[eval] batches` of them) from `data`'s validation shards,
+/// or none (with a warning) when `data` has no validation shard.
+pub fn validation_set(data: &TokenDataset, manifest: &RunManifest) -> Result<Vec<Batch>> {
+    if data.val_tokens() == 0 {
+        tracing::warn!(
+            "{} has no validation shard: no val_loss",
+            data.dir().display()
+        );
+        return Ok(Vec::new());
+    }
+    Ok(gasloc_data::stream::validation_batches(
+        data,
+        manifest.data.seq_len,
+        manifest.data.micro_batch,
+        manifest.eval.batches,
+    )?)
 }
 
 /// The model's parameters in a stable order (sorted by name).

@@ -51,12 +51,13 @@ async fn main() -> Result<()> {
             exchange_timeout_ms: period - 2 * window - 200,
             topology: Topology::OnePeer,
         },
-        trainer: SyntheticTrainer {
-            payload_bytes: 16 << 10,
-            tensors: 1,
-            inner_steps: 1,
-            step_time: Duration::from_millis(1),
-        },
+        trainer: SyntheticTrainer::new(
+            libp2p::PeerId::random(),
+            16 << 10,
+            1,
+            1,
+            Duration::from_millis(1),
+        ),
         listen: "/ip4/127.0.0.1/tcp/0".parse()?,
         run_id: [0xC0; 32],
     };

@@ -1,29 +1,50 @@
 //! The round driver: runs rounds of commit-reveal, local work and exchange on a live swarm.
 //!
 //! It feeds network events and wall-clock time into a [`RoundSchedule`], carries out its
-//! actions (publish commits and reveals), runs the (synthetic) trainer for the round and
-//! swaps payloads with the round's neighbours through the [`ExchangeService`]. One
-//! [`RoundRecord`] per round says what this node saw and did.
+//! actions (publish commits and reveals), asks the [`RoundWork`] (the libtorch trainer or
+//! the synthetic one) for the round's inner steps, swaps payloads with the round's
+//! neighbours through the [`ExchangeService`], and hands what arrived back to the work for
+//! the mixing and the outer step. Rounds follow the wall clock (`genesis + t·period`): no
+//! round waits for the whole swarm, and a neighbour that vanishes costs at most one
+//! exchange timeout.
+//!
+//! The inner steps get a deadline: the round's end minus the predicted exchange time `C_i`
+//! and the outer step's measured time, so a node on a slow link does fewer inner steps
+//! instead of missing rounds (`ALGORITHMS.md` §2). `C_i` is this round's payload bytes times
+//! the measured seconds per byte of past exchanges (moving averages per peer and overall):
+//! at the round's start with the overall average, and again, moving the deadline, once the
+//! round's neighbours are known, with theirs — the slower of what this node measured on its
+//! link to each and the goodput the neighbour announced (every node publishes an `Announce`
+//! with its measured goodput, capped by `--max-upload-rate`, beside its commit), so that the
+//! partner of a slow node stops training early enough even when they never met.
+//!
+//! One [`RoundRecord`] per round says what this node saw and did; the node's `/status`
+//! document is kept current through a `watch` channel.
 
 use crate::exchange::{ExchangeError, OutgoingPayload, SendOptions};
 use crate::exchange_service::ExchangeService;
 use crate::network::{unix_ms, Client, NetworkEvent};
 use crate::schedule::{Action, RoundPlan, RoundSchedule, Timing};
-use crate::synthetic::SyntheticTrainer;
 use crate::tensors::TensorSet;
-use gasloc_proto::wire::{control_message::Body, Commit, ControlMessage, PayloadKind, Reveal};
+use crate::work::{Finished, Received, RoundWork, TrainDeadline, TrainOrder, Trained, WorkFuture};
+use gasloc_proto::wire::{
+    control_message::Body, Announce, Commit, ControlMessage, PayloadKind, Reveal, Topology,
+};
+use gasloc_status::{NodeState, NodeStatus};
 use libp2p::PeerId;
 use rand::RngCore;
 use serde::Serialize;
+use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
-use tokio::sync::mpsc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 
 /// What the driver does besides the schedule's timing.
 #[derive(Debug, Clone)]
 pub struct DriverOptions {
-    /// Stop after this many decided rounds.
+    /// Stop after this many finished rounds (`u64::MAX`: until stopped).
     pub rounds: u64,
     /// Fault injection for tests: never publish reveals (the node gets excluded).
     pub withhold_reveals: bool,
@@ -31,7 +52,7 @@ pub struct DriverOptions {
 }
 
 /// What one node saw and did in one round (peer ids as base58 strings).
-#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct RoundRecord {
     pub peer: String,
     pub round: u64,
@@ -43,7 +64,26 @@ pub struct RoundRecord {
     pub exchanged: Vec<String>,
     /// Neighbours that failed, with the reason.
     pub failed: Vec<(String, String)>,
+    pub bytes_sent: u64,
     pub bytes_received: u64,
+    /// Inner steps taken (H_i) and the moving average of one step, seconds.
+    pub inner_steps: u64,
+    pub step_time_s: f64,
+    /// Seconds from the round start the inner steps were given (their final deadline), and
+    /// the exchange time predicted for the round.
+    pub budget_s: f64,
+    pub predicted_exchange_s: f64,
+    /// Seconds from the start of the exchange until every neighbour's result was in.
+    pub exchange_s: f64,
+    /// Seconds from "payload ready" until every neighbour's result was in (agreement and
+    /// neighbours included).
+    pub wait_s: f64,
+    /// Seconds of the mixing and outer step.
+    pub finish_s: f64,
+    /// Seconds from the round start until its outer step was done.
+    pub round_s: f64,
+    pub train_loss: Option<f64>,
+    pub val_loss: Option<f64>,
     /// Milliseconds from the round start until the round was decided.
     pub decided_after_ms: u64,
     /// Milliseconds from the round start to the last commit received from another peer.
@@ -63,39 +103,107 @@ async fn join_opt<T>(handle: &mut Option<JoinHandle<T>>) -> Result<T, tokio::tas
     }
 }
 
-/// Drives rounds until `options.rounds` have been decided.
+async fn work_opt<T>(future: &mut Option<WorkFuture<T>>) -> anyhow::Result<T> {
+    match future {
+        Some(f) => f.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Drives rounds until `options.rounds` have finished or `stop` is cancelled.
 pub struct RoundDriver {
     pub client: Client,
     pub events: mpsc::UnboundedReceiver<NetworkEvent>,
     pub schedule: RoundSchedule,
     pub service: ExchangeService,
-    pub trainer: SyntheticTrainer,
+    pub work: Box<dyn RoundWork>,
     pub options: DriverOptions,
     pub run_id: [u8; 32],
+    /// The node's `/status` document, updated as the round moves on.
+    pub status: watch::Sender<NodeStatus>,
+    /// Cancelled to leave: the round in flight finishes its exchange (bounded by the
+    /// exchange timeout) and outer step, then the work is closed.
+    pub stop: CancellationToken,
 }
 
+/// The round in flight.
 struct Active {
     round: u64,
+    started: Instant,
     plan: Option<RoundPlan>,
     decided_at: u64,
-    trained: Option<Arc<OutgoingPayload>>,
-    exchange_started: bool,
+    deadline: TrainDeadline,
+    predicted_exchange: Duration,
+    trained: Option<(Arc<OutgoingPayload>, Trained)>,
+    ready_at: Option<Instant>,
+    exchange_started: Option<Instant>,
+    /// Results, the exchange's duration and the wait, once the exchange is over.
+    exchanged: Option<(ExchangeResults, Duration, Duration)>,
+    finish_started: Option<Instant>,
     control_messages: u64,
 }
 
+/// Moving averages of what the node measured, for the next rounds' deadlines.
+#[derive(Debug, Default)]
+struct Measurements {
+    /// Seconds per payload byte per neighbour of past exchanges: overall, and per peer.
+    exchange_s_per_byte: Option<f64>,
+    peer_s_per_byte: HashMap<PeerId, f64>,
+    /// The goodput each peer announced last, bytes per second.
+    announced: HashMap<PeerId, u64>,
+    /// Seconds of the outer step.
+    finish_s: Option<f64>,
+}
+
+impl Measurements {
+    fn record_exchange(&mut self, took: Duration, bytes: u64, results: &ExchangeResults) {
+        if results.is_empty() || bytes == 0 {
+            return;
+        }
+        let per_byte = took.as_secs_f64() / (bytes as f64 * results.len() as f64);
+        self.exchange_s_per_byte = Some(moving_average(self.exchange_s_per_byte, per_byte));
+        for (peer, result) in results {
+            if result.is_ok() {
+                let old = self.peer_s_per_byte.get(peer).copied();
+                self.peer_s_per_byte
+                    .insert(*peer, moving_average(old.or(Some(per_byte)), per_byte));
+            }
+        }
+    }
+}
+
+fn moving_average(old: Option<f64>, new: f64) -> f64 {
+    match old {
+        Some(old) => 0.5 * old + 0.5 * new,
+        None => new,
+    }
+}
+
 impl RoundDriver {
-    /// Runs the rounds; `on_record` sees each record as soon as its round ends. Returns one
-    /// exchange timeout after the last round, so that partners can finish reading.
-    pub async fn run(mut self, mut on_record: impl FnMut(&RoundRecord)) -> Vec<RoundRecord> {
+    /// Runs the rounds; `on_record` sees each record as soon as its round ends. After the
+    /// last round it keeps the swarm up for one exchange timeout, so that partners can finish
+    /// reading, and closes the work (its checkpoint). An error of the work ends the run.
+    pub async fn run(
+        mut self,
+        mut on_record: impl FnMut(&RoundRecord),
+    ) -> anyhow::Result<Vec<RoundRecord>> {
         let me = self.client.peer_id();
         let timing = self.schedule.timing().clone();
-        let table = Arc::new(self.trainer.table());
+        let table = Arc::new(self.work.payload_table());
+        let payload_bytes: u64 = table.iter().filter_map(|t| t.byte_length()).sum();
         let mut next_round = timing.next_joinable_round(unix_ms());
         let mut active: Option<Active> = None;
-        let mut training: Option<JoinHandle<TensorSet>> = None;
+        let mut training: Option<WorkFuture<Trained>> = None;
+        let mut finishing: Option<WorkFuture<Finished>> = None;
         let mut exchange: Option<JoinHandle<ExchangeResults>> = None;
+        let mut measured = Measurements::default();
         let mut records = Vec::new();
-        while (records.len() as u64) < self.options.rounds {
+        let mut stopping = false;
+        let mut outcome = Ok(());
+        loop {
+            if (records.len() as u64) >= self.options.rounds || (stopping && active.is_none()) {
+                break;
+            }
             let now = unix_ms();
             let mut wake = self.schedule.next_wakeup().unwrap_or(u64::MAX);
             if active.is_none() {
@@ -103,12 +211,17 @@ impl RoundDriver {
             }
             let sleep = Duration::from_millis(wake.saturating_sub(now).min(60_000));
             tokio::select! {
+                _ = self.stop.cancelled(), if !stopping => {
+                    stopping = true;
+                    tracing::info!("leaving: finishing the round in flight");
+                    self.set_state(NodeState::Stopping);
+                }
                 event = self.events.recv() => match event {
                     Some(event) => {
                         if let (NetworkEvent::Control { .. }, Some(a)) = (&event, active.as_mut()) {
                             a.control_messages += 1;
                         }
-                        self.on_event(event)
+                        self.on_event(event, &mut measured)
                     }
                     None => {
                         tracing::warn!("network stopped; ending the round driver");
@@ -116,30 +229,90 @@ impl RoundDriver {
                     }
                 },
                 _ = tokio::time::sleep(sleep) => {}
-                done = join_opt(&mut training) => {
+                done = work_opt(&mut training) => {
                     training = None;
-                    let set = Arc::new(done.expect("synthetic training does not panic"));
-                    if let Some(a) = active.as_mut() {
-                        self.service.set_state(a.round, Arc::new(OutgoingPayload::new(
-                            PayloadKind::State, set.clone(), self.options.send.clone())));
-                        a.trained = Some(Arc::new(OutgoingPayload::new(
-                            PayloadKind::Model, set, self.options.send.clone())));
+                    match done {
+                        Ok(trained) => {
+                            if let Some(a) = active.as_mut() {
+                                let payload = Arc::new(OutgoingPayload::new(
+                                    PayloadKind::Model,
+                                    Arc::new(trained.payload.clone()),
+                                    self.options.send.clone(),
+                                ));
+                                self.status.send_modify(|s| {
+                                    s.inner_steps = trained.inner_steps;
+                                    s.step_time_s = trained.step_time_s;
+                                    if trained.train_loss.is_some() {
+                                        s.train_loss = trained.train_loss;
+                                    }
+                                    s.state = if a.plan.is_some() {
+                                        NodeState::Exchanging
+                                    } else {
+                                        NodeState::Agreeing
+                                    };
+                                });
+                                a.trained = Some((payload, trained));
+                                a.ready_at = Some(Instant::now());
+                            }
+                        }
+                        Err(e) => {
+                            outcome = Err(e.context("the trainer failed"));
+                            break;
+                        }
                     }
                 }
                 done = join_opt(&mut exchange) => {
                     exchange = None;
                     let results = done.expect("exchange task does not panic");
+                    if let Some(a) = active.as_mut() {
+                        let now = Instant::now();
+                        let took = a.exchange_started.map_or(Duration::ZERO, |t| now - t);
+                        let waited = a.ready_at.map_or(Duration::ZERO, |t| now - t);
+                        measured.record_exchange(took, payload_bytes, &results);
+                        let received = Received {
+                            round: a.round,
+                            neighbours: a.plan.as_ref().map(|p| p.neighbours.clone()).unwrap_or_default(),
+                            payloads: results
+                                .iter()
+                                .filter_map(|(p, r)| r.as_ref().ok().map(|s| (*p, s.clone())))
+                                .collect(),
+                        };
+                        a.exchanged = Some((results, took, waited));
+                        a.finish_started = Some(Instant::now());
+                        finishing = Some(self.work.finish(received));
+                    }
+                }
+                done = work_opt(&mut finishing) => {
+                    finishing = None;
+                    let finished = match done {
+                        Ok(f) => f,
+                        Err(e) => {
+                            outcome = Err(e.context("the outer step failed"));
+                            break;
+                        }
+                    };
                     if let Some(a) = active.take() {
-                        let record = make_record(&me, &a, &timing, results);
+                        self.service.set_state(
+                            a.round + 1,
+                            Arc::new(OutgoingPayload::new(
+                                PayloadKind::State,
+                                Arc::new(finished.state),
+                                self.options.send.clone(),
+                            )),
+                        );
+                        let record = make_record(&me, a, &timing, finished.val_loss, payload_bytes);
+                        measured.finish_s = Some(moving_average(measured.finish_s, record.finish_s));
+                        self.publish_record(&record);
                         on_record(&record);
+                        next_round = record.round + 1;
                         records.push(record);
-                        next_round = a.round + 1;
                     }
                 }
             }
             let now = unix_ms();
-            // Start the next round when its time has come.
-            if active.is_none() && now >= timing.round_start(next_round) {
+            // Start the next round when its time has come (never while leaving: the round
+            // in flight ends normally, so that its partners get their exchange).
+            if !stopping && active.is_none() && now >= timing.round_start(next_round) {
                 if now >= timing.commit_deadline(next_round) {
                     let skip_to = timing.next_joinable_round(now);
                     tracing::warn!(
@@ -161,16 +334,41 @@ impl RoundDriver {
                                 }),
                             )
                             .await;
-                            let trainer = self.trainer.clone();
-                            training = Some(tokio::spawn(async move {
-                                trainer.train_round(&me, round).await
+                            let announce = {
+                                let status = self.status.borrow();
+                                Announce {
+                                    inner_steps: status.inner_steps as u32,
+                                    step_time_us: (status.step_time_s * 1e6) as u64,
+                                    goodput_bytes_per_s: self.own_goodput(&measured),
+                                }
+                            };
+                            self.publish(round, Body::Announce(announce)).await;
+                            let predicted =
+                                self.predicted_exchange(&measured, payload_bytes, &timing, None);
+                            let deadline = TrainDeadline::new(
+                                self.train_deadline(&timing, round, predicted, &measured),
+                            );
+                            training = Some(self.work.train(TrainOrder {
+                                round,
+                                deadline: deadline.clone(),
                             }));
+                            self.status.send_modify(|s| {
+                                s.round = round;
+                                s.state = NodeState::Training;
+                                s.neighbours.clear();
+                            });
                             active = Some(Active {
                                 round,
+                                started: Instant::now(),
                                 plan: None,
                                 decided_at: 0,
+                                deadline,
+                                predicted_exchange: predicted,
                                 trained: None,
-                                exchange_started: false,
+                                ready_at: None,
+                                exchange_started: None,
+                                exchanged: None,
+                                finish_started: None,
                                 control_messages: 0,
                             });
                         }
@@ -199,6 +397,19 @@ impl RoundDriver {
                     }
                     Action::Decided(plan) => {
                         if let Some(a) = active.as_mut().filter(|a| a.round == plan.round) {
+                            let neighbours: Vec<String> =
+                                plan.neighbours.iter().map(|p| p.to_string()).collect();
+                            self.status.send_modify(|s| s.neighbours = neighbours);
+                            // Now that the neighbours are known, predict with their links.
+                            let predicted = self.predicted_exchange(
+                                &measured,
+                                payload_bytes,
+                                &timing,
+                                Some(&plan.neighbours),
+                            );
+                            a.predicted_exchange = predicted;
+                            a.deadline
+                                .set(self.train_deadline(&timing, a.round, predicted, &measured));
                             a.plan = Some(plan);
                             a.decided_at = now;
                         }
@@ -208,10 +419,11 @@ impl RoundDriver {
             }
             // Exchange once both the plan and the payload are there.
             if let Some(a) = active.as_mut() {
-                if let (Some(plan), Some(payload), false) =
+                if let (Some(plan), Some((payload, _)), None) =
                     (&a.plan, &a.trained, a.exchange_started)
                 {
-                    a.exchange_started = true;
+                    a.exchange_started = Some(Instant::now());
+                    self.set_state(NodeState::Exchanging);
                     let service = self.service.clone();
                     let (round, neighbours, payload, table) = (
                         a.round,
@@ -231,17 +443,144 @@ impl RoundDriver {
                 }
             }
         }
+        self.set_state(NodeState::Stopping);
         // Partners may still be reading the last bytes this node sent: keep the swarm up for
-        // one exchange timeout before the caller shuts it down.
-        tokio::time::sleep(Duration::from_millis(timing.exchange_timeout_ms)).await;
-        records
+        // one exchange timeout before the caller shuts it down (cut short when leaving).
+        if !stopping {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(timing.exchange_timeout_ms)) => {}
+                _ = self.stop.cancelled() => {}
+            }
+        }
+        let closed = self.work.close().await;
+        self.set_state(NodeState::Stopped);
+        outcome?;
+        closed?;
+        Ok(records)
     }
 
-    fn on_event(&mut self, event: NetworkEvent) {
-        let NetworkEvent::Control { source, message } = event else {
-            return;
+    /// `C_i`: this round's payload bytes times the measured seconds per byte — of the
+    /// slowest of `neighbours` where known, else overall; before any exchange was
+    /// measured, the upload cap's time (if any).
+    fn predicted_exchange(
+        &self,
+        measured: &Measurements,
+        payload_bytes: u64,
+        timing: &Timing,
+        neighbours: Option<&[PeerId]>,
+    ) -> Duration {
+        let count = match (neighbours, timing.topology) {
+            (Some(n), _) => n.len() as f64,
+            (None, Topology::TwoPeer) => 2.0,
+            (None, _) => 1.0,
         };
+        let bytes = payload_bytes as f64 * count;
+        let overall = match (
+            measured.exchange_s_per_byte,
+            &self.options.send.upload_limit,
+        ) {
+            (Some(per_byte), _) => Some(per_byte),
+            (None, Some(limit)) => Some(1.0 / limit.bytes_per_s() as f64),
+            (None, None) => None,
+        };
+        let per_byte = match neighbours {
+            Some(n) if !n.is_empty() => n
+                .iter()
+                .filter_map(|p| {
+                    let seen = measured.peer_s_per_byte.get(p).copied().or(overall);
+                    let announced = measured.announced.get(p).map(|&g| 1.0 / g as f64);
+                    match (seen, announced) {
+                        (Some(a), Some(b)) => Some(a.max(b)),
+                        (a, b) => a.or(b),
+                    }
+                })
+                .reduce(f64::max),
+            _ => overall,
+        };
+        let seconds = per_byte.map_or(0.0, |s| s * bytes);
+        Duration::from_secs_f64(seconds.min(timing.exchange_timeout_ms as f64 / 1000.0))
+    }
+
+    /// The goodput this node announces: what its exchanges achieved (bytes per neighbour
+    /// over their duration), at most its upload cap; 0 when unknown.
+    fn own_goodput(&self, measured: &Measurements) -> u64 {
+        let seen = measured.exchange_s_per_byte.map(|s| 1.0 / s.max(1e-12));
+        let cap = self
+            .options
+            .send
+            .upload_limit
+            .as_ref()
+            .map(|l| l.bytes_per_s() as f64);
+        match (seen, cap) {
+            (Some(a), Some(b)) => a.min(b) as u64,
+            (a, b) => a.or(b).unwrap_or(0.0) as u64,
+        }
+    }
+
+    /// When the inner steps of `round` should end: the round's end less the predicted
+    /// exchange, the measured outer step and a margin of 5 % of the period.
+    fn train_deadline(
+        &self,
+        timing: &Timing,
+        round: u64,
+        predicted_exchange: Duration,
+        measured: &Measurements,
+    ) -> u64 {
+        let reserve = predicted_exchange
+            + Duration::from_secs_f64(measured.finish_s.unwrap_or(0.0))
+            + Duration::from_millis(timing.period_ms / 20);
+        timing
+            .round_start(round + 1)
+            .saturating_sub(reserve.as_millis() as u64)
+    }
+
+    fn set_state(&self, state: NodeState) {
+        self.status.send_modify(|s| s.state = state);
+    }
+
+    fn publish_record(&self, record: &RoundRecord) {
+        let goodput: Vec<(String, f64)> = record
+            .exchanged
+            .iter()
+            .map(|p| {
+                let per_peer = record.bytes_received as f64 / record.exchanged.len() as f64;
+                (p.clone(), per_peer / record.exchange_s.max(1e-6))
+            })
+            .collect();
+        self.status.send_modify(|s| {
+            s.state = NodeState::Training;
+            s.goodput.extend(goodput);
+            s.record_round(gasloc_status::RoundRecord {
+                round: record.round,
+                neighbours: record.neighbours.clone(),
+                inner_steps: record.inner_steps,
+                train_loss: record.train_loss,
+                val_loss: record.val_loss,
+                bytes_sent: record.bytes_sent,
+                bytes_received: record.bytes_received,
+                wait_s: record.wait_s,
+                round_s: record.round_s,
+            });
+        });
+    }
+
+    fn on_event(&mut self, event: NetworkEvent, measured: &mut Measurements) {
         let now = unix_ms();
+        let (source, message) = match event {
+            NetworkEvent::Control { source, message } => (source, message),
+            NetworkEvent::Connected(_) | NetworkEvent::Disconnected(_) => {
+                let delta: isize = if matches!(event, NetworkEvent::Connected(_)) {
+                    1
+                } else {
+                    -1
+                };
+                self.status.send_modify(|s| {
+                    s.connected_peers = s.connected_peers.saturating_add_signed(delta)
+                });
+                return;
+            }
+            NetworkEvent::Subscribed(_) => return,
+        };
         let result = match message.body {
             Some(Body::Commit(c)) => match c.commitment.as_slice().try_into() {
                 Ok(c) => self.schedule.on_commit(source, message.round, c, now),
@@ -251,7 +590,13 @@ impl RoundDriver {
                 Ok(n) => self.schedule.on_reveal(source, message.round, n, now),
                 Err(_) => return,
             },
-            _ => return,
+            Some(Body::Announce(a)) => {
+                if a.goodput_bytes_per_s > 0 {
+                    measured.announced.insert(source, a.goodput_bytes_per_s);
+                }
+                return;
+            }
+            None => return,
         };
         if let Err(e) = result {
             if e.is_misbehaviour() {
@@ -274,13 +619,20 @@ impl RoundDriver {
     }
 }
 
-fn make_record(me: &PeerId, a: &Active, timing: &Timing, results: ExchangeResults) -> RoundRecord {
+fn make_record(
+    me: &PeerId,
+    a: Active,
+    timing: &Timing,
+    val_loss: Option<f64>,
+    payload_bytes: u64,
+) -> RoundRecord {
     let round_start = timing.round_start(a.round);
     let strings = |v: &[PeerId]| v.iter().map(|p| p.to_string()).collect::<Vec<_>>();
     let plan = a.plan.as_ref();
     let mut exchanged = Vec::new();
     let mut failed = Vec::new();
     let mut bytes_received = 0;
+    let (results, exchange, wait) = a.exchanged.unwrap_or_default();
     for (peer, result) in results {
         match result {
             Ok(set) => {
@@ -290,6 +642,7 @@ fn make_record(me: &PeerId, a: &Active, timing: &Timing, results: ExchangeResult
             Err(e) => failed.push((peer.to_string(), e.to_string())),
         }
     }
+    let trained = a.trained.as_ref().map(|(_, t)| t);
     RoundRecord {
         peer: me.to_string(),
         round: a.round,
@@ -297,9 +650,20 @@ fn make_record(me: &PeerId, a: &Active, timing: &Timing, results: ExchangeResult
         members: plan.map(|p| strings(&p.members)).unwrap_or_default(),
         permutation: plan.map(|p| strings(&p.permutation)).unwrap_or_default(),
         neighbours: plan.map(|p| strings(&p.neighbours)).unwrap_or_default(),
+        bytes_sent: payload_bytes * exchanged.len() as u64,
         exchanged,
         failed,
         bytes_received,
+        inner_steps: trained.map_or(0, |t| t.inner_steps),
+        step_time_s: trained.map_or(0.0, |t| t.step_time_s),
+        budget_s: a.deadline.unix_ms().saturating_sub(round_start) as f64 / 1000.0,
+        predicted_exchange_s: a.predicted_exchange.as_secs_f64(),
+        exchange_s: exchange.as_secs_f64(),
+        wait_s: wait.as_secs_f64(),
+        finish_s: a.finish_started.map_or(0.0, |t| t.elapsed().as_secs_f64()),
+        round_s: a.started.elapsed().as_secs_f64(),
+        train_loss: trained.and_then(|t| t.train_loss),
+        val_loss,
         decided_after_ms: a.decided_at.saturating_sub(round_start),
         last_commit_after_ms: plan.map_or(0, |p| p.last_commit_at_ms.saturating_sub(round_start)),
         last_reveal_after_ms: plan.map_or(0, |p| {

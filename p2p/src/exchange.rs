@@ -11,6 +11,7 @@ use crate::frames::{
     FRAME_REFUSAL, FRAME_STATE_REQUEST,
 };
 use crate::tensors::{Tensor, TensorSet, TensorSpec};
+use crate::upload_limit::UploadLimiter;
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, FutureExt};
 use gasloc_proto::wire::{
     DType, Encoding, ExchangeHeader, PayloadKind, Refusal, RefusalReason, StateRequest,
@@ -130,6 +131,8 @@ pub struct SendOptions {
     pub chunk_size: u32,
     /// `None`: raw chunks; `Some(level)`: every chunk is a zstd frame at that level.
     pub zstd_level: Option<i32>,
+    /// The node's upload cap, shared by all its streams (`--max-upload-rate`).
+    pub upload_limit: Option<Arc<UploadLimiter>>,
 }
 
 impl Default for SendOptions {
@@ -137,6 +140,7 @@ impl Default for SendOptions {
         SendOptions {
             chunk_size: 1 << 20,
             zstd_level: None,
+            upload_limit: None,
         }
     }
 }
@@ -213,6 +217,9 @@ pub async fn send_payload<W: AsyncWrite + Unpin>(
             let checksum = blake3::hash(bytes);
             write_frame(w, FRAME_CHUNK, &[checksum.as_bytes(), bytes]).await?;
             written += 5 + DIGEST_LEN as u64 + bytes.len() as u64;
+            if let Some(limit) = &payload.options.upload_limit {
+                limit.pace(5 + DIGEST_LEN + bytes.len()).await;
+            }
         }
     }
     w.flush().await?;

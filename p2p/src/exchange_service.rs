@@ -249,7 +249,6 @@ impl ExchangeService {
         payload: &OutgoingPayload,
         table: Option<Arc<Vec<TensorSpec>>>,
     ) -> Result<TensorSet, ExchangeError> {
-        let stream = self.open(peer, EXCHANGE_PROTOCOL).await?;
         let cfg = &self.inner.config;
         let header = payload.header(&cfg.run_id, round, &self.inner.me);
         let expect = Expectation {
@@ -259,7 +258,23 @@ impl ExchangeService {
             kind: payload.kind,
             table,
         };
-        run_initiator(stream, &header, payload, &expect, &cfg.limits).await
+        let mut delay = Duration::from_millis(50);
+        loop {
+            let stream = self.open(peer, EXCHANGE_PROTOCOL).await?;
+            match run_initiator(stream, &header, payload, &expect, &cfg.limits).await {
+                // The stream ended before the peer's header: libp2p-stream hands inbound
+                // streams over through a channel of one, and drops a stream that arrives
+                // while another (from this round's other neighbour) is still being handed
+                // over. The peer never saw this one: open another (the caller's deadline
+                // bounds the retries).
+                Err(ExchangeError::Truncated("header")) => {
+                    tracing::debug!(%peer, round, "stream dropped before the header; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_millis(800));
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Opens a stream, retrying dial failures (addresses may still be being discovered)

@@ -1,8 +1,9 @@
 //! `gasloc-node join`: join a run through its bootstrap nodes and take part in rounds.
 //!
-//! All of the subcommand lives here so that the node binary only forwards its arguments.
-//! Today the only trainer behind `join` is the **synthetic trainer** (`--synthetic`); the
-//! libtorch trainer plugs into the same round driver later.
+//! Everything of the subcommand but the trainer lives here: the swarm, the manifest fetch
+//! and check, state sync for a late joiner, the status server, signals, and the round
+//! driver. The trainer comes from the caller as a [`RoundWork`]: `gasloc-node` passes its
+//! libtorch trainer, or the **synthetic trainer** with `--synthetic`.
 
 use crate::config::{NetworkConfig, Role};
 use crate::driver::{DriverOptions, RoundDriver, RoundRecord};
@@ -12,11 +13,18 @@ use crate::manifest_service::verify_manifest_response;
 use crate::network::{self, peer_id_of};
 use crate::schedule::{RoundSchedule, Timing};
 use crate::synthetic::SyntheticTrainer;
+use crate::upload_limit::{parse_rate, UploadLimiter};
+use crate::work::RoundWork;
 use anyhow::{anyhow, bail, Context};
+use gasloc_proto::RunManifest;
+use gasloc_status::{NodeMetrics, NodeStatus, StatusServer};
 use libp2p::{Multiaddr, PeerId};
 use std::io::Write;
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 /// Arguments of `gasloc-node join`.
 #[derive(Debug, Clone, clap::Args)]
@@ -33,6 +41,13 @@ pub struct JoinArgs {
     /// The run id this node expects the bootstrap node to serve (hex).
     #[arg(long)]
     pub run_id: Option<String>,
+    /// Serve /status (JSON), /metrics (Prometheus) and the dashboard on this address
+    /// (port 0 picks one; the address is printed as status=http://…).
+    #[arg(long)]
+    pub status_addr: Option<SocketAddr>,
+    /// Cap this node's upload, all peers together, in bytes per second (500k, 2M, 1.5MB/s).
+    #[arg(long, value_parser = parse_rate)]
+    pub max_upload_rate: Option<u64>,
     /// Use the synthetic trainer (random payload, sleeps instead of training).
     #[arg(long)]
     pub synthetic: bool,
@@ -48,19 +63,20 @@ pub struct JoinArgs {
     /// Synthetic step time in milliseconds.
     #[arg(long, default_value_t = 10)]
     pub step_time_ms: u64,
-    /// Rounds to take part in before exiting.
-    #[arg(long, default_value_t = 10)]
-    pub rounds: u64,
+    /// Rounds to take part in before leaving (default: until SIGINT/SIGTERM).
+    #[arg(long)]
+    pub rounds: Option<u64>,
     /// Wait until this many peers have subscribed to the run's topic before the first round.
     #[arg(long, default_value_t = 1)]
     pub min_peers: usize,
     /// Compress exchanged chunks with zstd at this level (off when absent).
     #[arg(long)]
     pub zstd_level: Option<i32>,
-    /// Write one JSON line per round to this file.
+    /// Append one JSON line per round to this file.
     #[arg(long)]
     pub report: Option<PathBuf>,
-    /// Fetch the current state from a peer before the first round.
+    /// Fetch the current state from a peer before the first round (the libtorch trainer
+    /// does so whenever it did not resume from its own checkpoint).
     #[arg(long)]
     pub sync_state: bool,
     /// Discover peers on the LAN with mDNS.
@@ -108,14 +124,43 @@ impl JoinArgs {
     }
 }
 
-/// Runs `gasloc-node join` to completion.
-pub async fn run(args: JoinArgs) -> anyhow::Result<()> {
-    if !args.synthetic {
-        bail!("join needs --synthetic: the libtorch trainer is not wired to the swarm yet");
-    }
+/// What the trainer is built from, once the run is known.
+pub struct WorkContext {
+    pub manifest: RunManifest,
+    pub peer: PeerId,
+}
+
+/// A trainer for the run: the work, and whether it needs the swarm's current state (a
+/// fresh node joining a run under way) rather than its own (seed or checkpoint).
+pub struct JoinWork {
+    pub work: Box<dyn RoundWork>,
+    pub wants_state: bool,
+}
+
+/// The synthetic trainer `--synthetic` asks for.
+pub fn synthetic_work(args: &JoinArgs, ctx: &WorkContext) -> anyhow::Result<JoinWork> {
     if args.tensors == 0 || args.payload_bytes < 4 * args.tensors {
         bail!("--payload-bytes must give every one of the --tensors at least 4 bytes");
     }
+    Ok(JoinWork {
+        work: Box::new(SyntheticTrainer::new(
+            ctx.peer,
+            args.payload_bytes,
+            args.tensors,
+            args.inner_steps,
+            Duration::from_millis(args.step_time_ms),
+        )),
+        wants_state: false,
+    })
+}
+
+/// Runs `gasloc-node join` to completion: until `--rounds` rounds are done or SIGINT /
+/// SIGTERM, after which the round in flight finishes, the work is closed (checkpoint) and
+/// the node leaves the swarm. `make_work` builds the trainer once the manifest is known.
+pub async fn run(
+    args: JoinArgs,
+    make_work: impl FnOnce(&WorkContext) -> anyhow::Result<JoinWork>,
+) -> anyhow::Result<()> {
     let bootstrap_peers: Vec<PeerId> = args
         .bootstrap
         .iter()
@@ -127,7 +172,9 @@ pub async fn run(args: JoinArgs) -> anyhow::Result<()> {
         Some(path) => crate::identity::load_or_create(path)?,
         None => libp2p::identity::Keypair::generate_ed25519(),
     };
-    let network = network::start(keypair, args.network_config()).await?;
+    let mut registry = prometheus_client::registry::Registry::default();
+    let network =
+        network::start_with_metrics(keypair, args.network_config(), Some(&mut registry)).await?;
     let client = network.client.clone();
     let me = client.peer_id();
     println!("peer_id={me}");
@@ -141,59 +188,89 @@ pub async fn run(args: JoinArgs) -> anyhow::Result<()> {
     let mut run_id = [0u8; 32];
     hex::decode_to_slice(&run_id_hex, &mut run_id).context("run id is hex")?;
     println!("run_id={run_id_hex} name={}", manifest.name);
+
+    let (status, status_rx) = tokio::sync::watch::channel(NodeStatus {
+        peer_id: me.to_string(),
+        run_id: run_id_hex.clone(),
+        run_name: manifest.name.clone(),
+        ..Default::default()
+    });
+    let metrics = NodeMetrics::register(&mut registry);
+    let _server = match args.status_addr {
+        Some(addr) => {
+            let server = StatusServer::start(addr, status_rx, Arc::new(registry), metrics).await?;
+            println!("status=http://{}", server.addr);
+            Some(server)
+        }
+        None => None,
+    };
+
+    let context = WorkContext {
+        manifest: manifest.clone(),
+        peer: me,
+    };
+    let JoinWork {
+        mut work,
+        wants_state,
+    } = make_work(&context)?;
+
     client
         .join_run(run_id, Some(timing.clone()))
         .await
         .map_err(anyhow::Error::msg)?;
-
     let mut exchange_config = ExchangeConfig::new(run_id);
     exchange_config.accept_wait = Duration::from_millis(timing.exchange_timeout_ms);
     let service = ExchangeService::start(me, client.stream_control(), exchange_config)?;
 
     wait_for_topic_peers(&client, args.min_peers).await?;
-    if args.sync_state {
-        sync_state(&client, &service, &bootstrap_peers).await;
+    // A run under way (past its first round) has state to fetch; a new one starts from
+    // the seed on every node.
+    let under_way = timing.round_at(network::unix_ms()).is_some_and(|r| r > 0);
+    if args.sync_state || (wants_state && under_way) {
+        status.send_modify(|s| s.state = gasloc_status::NodeState::Syncing);
+        let table = Arc::new(work.state_table());
+        if let Some((round, state)) = sync_state(&client, &service, &bootstrap_peers, table).await {
+            work.load_state(round, state).await?;
+        }
     }
 
-    let trainer = SyntheticTrainer {
-        payload_bytes: args.payload_bytes,
-        tensors: args.tensors,
-        inner_steps: args.inner_steps,
-        step_time: Duration::from_millis(args.step_time_ms),
-    };
+    let stop = CancellationToken::new();
+    spawn_signal_handler(stop.clone());
     let driver = RoundDriver {
         client: client.clone(),
         events: network.events,
         schedule: RoundSchedule::new(timing, run_id, me),
         service,
-        trainer,
+        work,
         options: DriverOptions {
-            rounds: args.rounds,
+            rounds: args.rounds.unwrap_or(u64::MAX),
             withhold_reveals: args.withhold_reveals,
             send: SendOptions {
                 zstd_level: args.zstd_level,
+                upload_limit: args
+                    .max_upload_rate
+                    .map(|r| Arc::new(UploadLimiter::new(r))),
                 ..SendOptions::default()
             },
         },
         run_id,
+        status,
+        stop: stop.clone(),
     };
     let mut report = match &args.report {
+        // Appended to: a restarted node continues its report.
         Some(path) => Some(
-            std::fs::File::create(path)
-                .with_context(|| format!("cannot create report {}", path.display()))?,
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .with_context(|| format!("cannot open report {}", path.display()))?,
         ),
         None => None,
     };
-    let records = driver
+    let outcome = driver
         .run(|record: &RoundRecord| {
-            println!(
-                "round={} members={} neighbours={} exchanged={} failed={}",
-                record.round,
-                record.members.len(),
-                record.neighbours.len(),
-                record.exchanged.len(),
-                record.failed.len()
-            );
+            println!("{}", summary_line(record));
             if let Some(file) = report.as_mut() {
                 let line = serde_json::to_string(record).expect("records serialize");
                 if let Err(e) = writeln!(file, "{line}").and_then(|_| file.flush()) {
@@ -203,10 +280,56 @@ pub async fn run(args: JoinArgs) -> anyhow::Result<()> {
         })
         .await;
     client.shutdown().await;
-    if (records.len() as u64) < args.rounds {
-        bail!("stopped after {} of {} rounds", records.len(), args.rounds);
+    let records = outcome?;
+    if let Some(rounds) = args.rounds {
+        if (records.len() as u64) < rounds && !stop.is_cancelled() {
+            bail!("stopped after {} of {rounds} rounds", records.len());
+        }
     }
+    println!("left rounds={}", records.len());
     Ok(())
+}
+
+/// One terminal line per round.
+pub fn summary_line(r: &RoundRecord) -> String {
+    let loss = |l: Option<f64>| l.map_or("-".into(), |l| format!("{l:.4}"));
+    format!(
+        "round={} members={} neighbours={} exchanged={} failed={} inner_steps={} \
+         train_loss={} val_loss={} bytes_sent={} bytes_received={} wait_s={:.2} round_s={:.2}",
+        r.round,
+        r.members.len(),
+        r.neighbours.len(),
+        r.exchanged.len(),
+        r.failed.len(),
+        r.inner_steps,
+        loss(r.train_loss),
+        loss(r.val_loss),
+        r.bytes_sent,
+        r.bytes_received,
+        r.wait_s,
+        r.round_s,
+    )
+}
+
+/// Cancels `stop` on SIGINT or SIGTERM.
+fn spawn_signal_handler(stop: CancellationToken) {
+    tokio::spawn(async move {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            let Ok(mut term) = signal(SignalKind::terminate()) else {
+                return;
+            };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = tokio::signal::ctrl_c().await;
+        tracing::info!("signal received: leaving after the round in flight");
+        stop.cancel();
+    });
 }
 
 /// Asks each bootstrap node in turn for the manifest (retrying while connections come up).
@@ -252,16 +375,27 @@ async fn wait_for_topic_peers(client: &network::Client, min_peers: usize) -> any
     bail!("fewer than {min_peers} peers subscribed to the run's topic within 60 s")
 }
 
-/// Fetches the state from the first topic peer that is not a bootstrap node and has one.
+/// Fetches the state from the first topic peer that is not a bootstrap node and has one;
+/// `None` when nobody has (a new run: start from the seed).
 async fn sync_state(
     client: &network::Client,
     service: &ExchangeService,
     bootstrap_peers: &[PeerId],
-) {
-    let peers = client.topic_peers().await.unwrap_or_default();
-    for peer in peers.into_iter().filter(|p| !bootstrap_peers.contains(p)) {
+    table: Arc<Vec<crate::tensors::TensorSpec>>,
+) -> Option<(u64, crate::tensors::TensorSet)> {
+    // Subscriptions of peers found through Kademlia arrive over a few heartbeats.
+    let mut peers = Vec::new();
+    for _ in 0..100 {
+        peers = client.topic_peers().await.unwrap_or_default();
+        peers.retain(|p| !bootstrap_peers.contains(p));
+        if !peers.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    for peer in peers {
         match service
-            .fetch_state(peer, None, Duration::from_secs(60))
+            .fetch_state(peer, Some(table.clone()), Duration::from_secs(120))
             .await
         {
             Ok((round, set)) => {
@@ -269,17 +403,21 @@ async fn sync_state(
                     "state_synced_from={peer} round={round} bytes={}",
                     set.byte_length()
                 );
-                return;
+                return Some((round, set));
             }
-            Err(e) => tracing::warn!(%peer, error = %e, "state sync failed"),
+            Err(e) => tracing::info!(%peer, error = %e, "no state from this peer"),
         }
     }
     println!("state_sync=none");
+    None
 }
 
 /// [`run`] on a fresh tokio runtime, logging to stderr (`RUST_LOG` filters; a subscriber
 /// the caller installed first is kept). For binaries without their own runtime.
-pub fn run_blocking(args: JoinArgs) -> anyhow::Result<()> {
+pub fn run_blocking(
+    args: JoinArgs,
+    make_work: impl FnOnce(&WorkContext) -> anyhow::Result<JoinWork>,
+) -> anyhow::Result<()> {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -291,5 +429,5 @@ pub fn run_blocking(args: JoinArgs) -> anyhow::Result<()> {
         .enable_all()
         .build()
         .context("cannot start the tokio runtime")?
-        .block_on(run(args))
+        .block_on(run(args, make_work))
 }

@@ -7,8 +7,13 @@
 //!   and state sync on `/gasloc/state/1`.
 //! - [`manifest_service`]: the manifest request-response protocol.
 //! - [`identity`]: the persisted node key.
-//! - [`driver`], [`synthetic`], [`join`], [`local_swarm`]: rounds on a live swarm, the
-//!   synthetic trainer, `gasloc-node join`, and many nodes in one process.
+//! - [`upload_limit`]: the node's upload cap (`--max-upload-rate`).
+//! - [`driver`], [`work`], [`synthetic`], [`join`], [`local_swarm`]: rounds on a live swarm,
+//!   what the driver asks of a trainer, the synthetic trainer, `gasloc-node join`, and many
+//!   nodes in one process.
+
+/// Peer ids, as every crate of gasloc names nodes.
+pub use libp2p::PeerId;
 
 pub mod config;
 pub mod control;
@@ -26,3 +31,5 @@ pub mod schedule;
 pub mod swarm;
 pub mod synthetic;
 pub mod tensors;
+pub mod upload_limit;
+pub mod work;

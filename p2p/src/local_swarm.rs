@@ -25,6 +25,7 @@ pub struct LocalSwarm {
     pub withholder: Option<usize>,
     /// Round timing; `genesis_ms` is replaced by "shortly after every node is subscribed".
     pub timing: Timing,
+    /// The synthetic trainer every node runs (its `peer` is replaced by each node's id).
     pub trainer: SyntheticTrainer,
     /// `/ip4/127.0.0.1/tcp/0` or `/ip4/127.0.0.1/udp/0/quic-v1`.
     pub listen: Multiaddr,
@@ -111,7 +112,12 @@ impl LocalSwarm {
                 client: network.client.clone(),
                 events: network.events,
                 schedule: RoundSchedule::new(timing.clone(), self.run_id, me),
-                trainer: self.trainer.clone(),
+                work: Box::new(SyntheticTrainer {
+                    peer: me,
+                    ..self.trainer.clone()
+                }),
+                status: tokio::sync::watch::channel(Default::default()).0,
+                stop: Default::default(),
                 options: DriverOptions {
                     rounds: self.rounds,
                     withhold_reveals: self.withholder == Some(i),
@@ -131,7 +137,7 @@ impl LocalSwarm {
         for task in tasks {
             let records = tokio::time::timeout(bound, task)
                 .await
-                .context("a node's round driver did not finish in time")??;
+                .context("a node's round driver did not finish in time")???;
             all.push(records);
         }
         Ok(all)

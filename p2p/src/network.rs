@@ -176,6 +176,17 @@ pub fn peer_id_of(address: &Multiaddr) -> Option<PeerId> {
 /// Builds the swarm, listens, dials the bootstrap nodes and spawns the event loop.
 /// Returns once every listener has at least one address (or fails naming the address).
 pub async fn start(keypair: Keypair, config: NetworkConfig) -> anyhow::Result<Network> {
+    start_with_metrics(keypair, config, None).await
+}
+
+/// [`start`], recording libp2p's own metrics (connections, gossipsub, Kademlia, identify,
+/// ping, relay) into `registry` under `libp2p_` when one is given.
+pub async fn start_with_metrics(
+    keypair: Keypair,
+    config: NetworkConfig,
+    registry: Option<&mut prometheus_client::registry::Registry>,
+) -> anyhow::Result<Network> {
+    let metrics = registry.map(libp2p::metrics::Metrics::new);
     let peer_id = keypair.public().to_peer_id();
     let mut swarm = build_swarm(keypair, &config)?;
     let mut pending_listeners = HashSet::new();
@@ -240,6 +251,7 @@ pub async fn start(keypair: Keypair, config: NetworkConfig) -> anyhow::Result<Ne
         bootstrap_peers,
         relayed: HashMap::new(),
         lookups: HashMap::new(),
+        metrics,
     };
     let task = tokio::spawn(event_loop.run());
     Ok(Network {
@@ -269,6 +281,7 @@ pub struct EventLoop {
     relayed: HashMap<PeerId, Vec<ConnectionId>>,
     /// When a Kademlia lookup for a control-message author was last started.
     lookups: HashMap<PeerId, Instant>,
+    metrics: Option<libp2p::metrics::Metrics>,
 }
 
 /// Minimum time between two lookups of the same author.
@@ -375,6 +388,21 @@ impl EventLoop {
     }
 
     fn on_swarm_event(&mut self, event: SwarmEvent<GaslocBehaviourEvent>) {
+        if let Some(metrics) = &self.metrics {
+            use libp2p::metrics::Recorder;
+            metrics.record(&event);
+            if let SwarmEvent::Behaviour(behaviour) = &event {
+                match behaviour {
+                    GaslocBehaviourEvent::Gossipsub(e) => metrics.record(e),
+                    GaslocBehaviourEvent::Kad(e) => metrics.record(e),
+                    GaslocBehaviourEvent::Identify(e) => metrics.record(e),
+                    GaslocBehaviourEvent::Ping(e) => metrics.record(e),
+                    GaslocBehaviourEvent::RelayServer(e) => metrics.record(e),
+                    GaslocBehaviourEvent::Dcutr(e) => metrics.record(e),
+                    _ => {}
+                }
+            }
+        }
         match event {
             SwarmEvent::Behaviour(event) => self.on_behaviour_event(event),
             SwarmEvent::ConnectionEstablished {

@@ -1,8 +1,10 @@
 //! The **synthetic trainer**: a stand-in for the libtorch trainer in network tests and
 //! scale runs. It "trains" by sleeping a configurable step time per inner step and emits a
-//! fixed-size pseudo-random payload; it learns nothing.
+//! fixed-size pseudo-random payload; it learns nothing. Its "state" for state sync is the
+//! payload of the round it last finished.
 
 use crate::tensors::{TensorSet, TensorSpec};
+use crate::work::{Finished, Received, RoundWork, TrainOrder, Trained, WorkFuture};
 use libp2p::PeerId;
 use sha2::{Digest, Sha256};
 use std::time::Duration;
@@ -10,6 +12,8 @@ use std::time::Duration;
 /// Settings of the synthetic trainer.
 #[derive(Debug, Clone)]
 pub struct SyntheticTrainer {
+    /// Whose payloads these are (seeds the bytes).
+    pub peer: PeerId,
     /// Bytes of each round's payload (split over `tensors` f32 tensors).
     pub payload_bytes: usize,
     pub tensors: usize,
@@ -18,6 +22,22 @@ pub struct SyntheticTrainer {
 }
 
 impl SyntheticTrainer {
+    pub fn new(
+        peer: PeerId,
+        payload_bytes: usize,
+        tensors: usize,
+        inner_steps: u32,
+        step_time: Duration,
+    ) -> Self {
+        SyntheticTrainer {
+            peer,
+            payload_bytes,
+            tensors,
+            inner_steps,
+            step_time,
+        }
+    }
+
     fn bytes_each(&self) -> usize {
         (self.payload_bytes / self.tensors.max(1)) / 4 * 4
     }
@@ -34,11 +54,15 @@ impl SyntheticTrainer {
             .collect()
     }
 
-    /// Runs one round's inner steps (sleeps) and returns this node's payload for `round`.
-    pub async fn train_round(&self, me: &PeerId, round: u64) -> TensorSet {
+    /// Sleeps the round's inner steps and returns this node's payload for `round`.
+    pub async fn train_round(&self, round: u64) -> TensorSet {
         tokio::time::sleep(self.step_time * self.inner_steps).await;
+        self.payload(round).await
+    }
+
+    async fn payload(&self, round: u64) -> TensorSet {
         let digest = Sha256::new()
-            .chain_update(me.to_bytes())
+            .chain_update(self.peer.to_bytes())
             .chain_update(round.to_le_bytes())
             .finalize();
         let seed = u64::from_le_bytes(digest[..8].try_into().expect("8 bytes"));
@@ -49,21 +73,56 @@ impl SyntheticTrainer {
     }
 }
 
+impl RoundWork for SyntheticTrainer {
+    fn payload_table(&self) -> Vec<TensorSpec> {
+        self.table()
+    }
+
+    fn state_table(&self) -> Vec<TensorSpec> {
+        self.table()
+    }
+
+    fn train(&mut self, order: TrainOrder) -> WorkFuture<Trained> {
+        let this = self.clone();
+        Box::pin(async move {
+            let payload = this.train_round(order.round).await;
+            Ok(Trained {
+                payload,
+                inner_steps: this.inner_steps as u64,
+                step_time_s: this.step_time.as_secs_f64(),
+                train_loss: None,
+            })
+        })
+    }
+
+    fn finish(&mut self, received: Received) -> WorkFuture<Finished> {
+        let this = self.clone();
+        Box::pin(async move {
+            Ok(Finished {
+                state: this.payload(received.round).await,
+                val_loss: None,
+            })
+        })
+    }
+
+    fn load_state(&mut self, _round: u64, _state: TensorSet) -> WorkFuture<()> {
+        Box::pin(async { Ok(()) })
+    }
+
+    fn close(&mut self) -> WorkFuture<()> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[tokio::test]
     async fn synthetic_payload_matches_its_table_and_differs_per_round() {
-        let t = SyntheticTrainer {
-            payload_bytes: 10_000,
-            tensors: 3,
-            inner_steps: 2,
-            step_time: Duration::from_millis(1),
-        };
-        let me = PeerId::random();
-        let a = t.train_round(&me, 1).await;
+        let t = SyntheticTrainer::new(PeerId::random(), 10_000, 3, 2, Duration::from_millis(1));
+        let a = t.train_round(1).await;
         assert_eq!(a.specs(), t.table());
-        assert_ne!(a, t.train_round(&me, 2).await);
+        assert_ne!(a, t.train_round(2).await);
     }
 }

@@ -33,12 +33,13 @@ async fn run_swarm(
             exchange_timeout_ms: 1400,
             topology,
         },
-        trainer: SyntheticTrainer {
-            payload_bytes: 64 << 10,
-            tensors: 2,
-            inner_steps: 2,
-            step_time: Duration::from_millis(5),
-        },
+        trainer: SyntheticTrainer::new(
+            libp2p::PeerId::random(),
+            64 << 10,
+            2,
+            2,
+            Duration::from_millis(5),
+        ),
         listen: loopback(Transport::Tcp),
         run_id: RUN_ID,
     }

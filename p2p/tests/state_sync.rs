@@ -43,6 +43,7 @@ async fn a_joining_node_fetches_the_current_state_or_a_clear_refusal() {
             SendOptions {
                 chunk_size: 1 << 18,
                 zstd_level: Some(1),
+                upload_limit: None,
             },
         )),
     );

@@ -1,6 +1,10 @@
-//! Helpers for end-to-end tests: locating the workspace's built binaries.
+//! Helpers for end-to-end tests: the workspace's built binaries, and a local swarm of real
+//! `gasloc-bootstrap` and `gasloc-node join` processes on loopback whose output the test
+//! reads back.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 /// The path of a binary built by `cargo build` in this workspace's target folder
 /// (`target/<profile>/<name>`), found from the running test executable.
@@ -18,4 +22,234 @@ pub fn built_binary(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+/// Waits (bounded) until `path` exists and is not empty; returns its text.
+pub fn wait_for_file(path: &Path, bound: Duration) -> String {
+    let start = Instant::now();
+    while start.elapsed() < bound {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            if !text.is_empty() {
+                return text;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("{} did not appear within {bound:?}", path.display());
+}
+
+/// A process whose stdout and stderr go to files; killed when dropped.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+    pub stdout: PathBuf,
+    pub stderr: PathBuf,
+}
+
+impl Proc {
+    /// Starts `command` with its output in `dir/<name>.out` and `dir/<name>.err`.
+    pub fn spawn(name: &str, dir: &Path, mut command: Command) -> Proc {
+        let stdout = dir.join(format!("{name}.out"));
+        let stderr = dir.join(format!("{name}.err"));
+        let child = command
+            .stdout(Stdio::from(std::fs::File::create(&stdout).unwrap()))
+            .stderr(Stdio::from(std::fs::File::create(&stderr).unwrap()))
+            .spawn()
+            .unwrap_or_else(|e| panic!("{name} starts: {e}"));
+        Proc {
+            name: name.into(),
+            child,
+            stdout,
+            stderr,
+        }
+    }
+
+    pub fn output(&self) -> String {
+        std::fs::read_to_string(&self.stdout).unwrap_or_default()
+    }
+
+    /// The last lines of stderr, for assertion messages.
+    pub fn stderr_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+
+    /// Waits (bounded) until a stdout line starts with `prefix`; returns that line.
+    pub fn wait_for_line(&mut self, prefix: &str, bound: Duration) -> String {
+        let start = Instant::now();
+        while start.elapsed() < bound {
+            if let Some(line) = self.output().lines().find(|l| l.starts_with(prefix)) {
+                return line.to_string();
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "{} exited ({status}) before printing {prefix:?}:\n{}",
+                    self.name,
+                    self.stderr_tail()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!(
+            "{} did not print {prefix:?} within {bound:?}:\n{}",
+            self.name,
+            self.stderr_tail()
+        );
+    }
+
+    /// Waits (bounded) for the process to exit; returns whether it succeeded.
+    pub fn wait_exit(&mut self, bound: Duration) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < bound {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                return status.success();
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!(
+            "{} did not exit within {bound:?}:\n{}",
+            self.name,
+            self.stderr_tail()
+        );
+    }
+
+    /// SIGTERM (the node leaves cleanly).
+    pub fn terminate(&self) {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `key=value` fields of one output line.
+pub fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// Starts a bootstrap for `manifest` on loopback with the given round timing (ms) and
+/// returns it with its QUIC address.
+pub fn start_bootstrap(
+    dir: &Path,
+    manifest: &Path,
+    genesis_delay_ms: u64,
+    period_ms: u64,
+    window_ms: u64,
+    exchange_timeout_ms: u64,
+) -> (Proc, String) {
+    let addr_file = dir.join("bootstrap.addrs");
+    let mut command = Command::new(built_binary("gasloc-bootstrap"));
+    command
+        .arg("--run")
+        .arg(manifest)
+        .args([
+            "--listen",
+            "/ip4/127.0.0.1/udp/0/quic-v1",
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+        ])
+        .arg("--addr-file")
+        .arg(&addr_file)
+        .arg("--identity")
+        .arg(dir.join("bootstrap.key"))
+        .args(["--genesis-delay-ms", &genesis_delay_ms.to_string()])
+        .args(["--round-period-ms", &period_ms.to_string()])
+        .args(["--commit-window-ms", &window_ms.to_string()])
+        .args(["--reveal-window-ms", &window_ms.to_string()])
+        .args(["--exchange-timeout-ms", &exchange_timeout_ms.to_string()]);
+    let proc = Proc::spawn("bootstrap", dir, command);
+    let addrs = wait_for_file(&addr_file, Duration::from_secs(30));
+    let quic = addrs
+        .lines()
+        .find(|a| a.contains("/quic-v1/"))
+        .expect("bootstrap listens on QUIC")
+        .to_string();
+    (proc, quic)
+}
+
+/// `gasloc-node join` on loopback with its own home under `dir`, one libtorch thread.
+pub fn join_command(bootstrap: &str, home: &Path, data: &Path, extra: &[&str]) -> Command {
+    let mut command = Command::new(built_binary("gasloc-node"));
+    command
+        .args(["join", "--bootstrap", bootstrap])
+        .args([
+            "--listen",
+            "/ip4/127.0.0.1/udp/0/quic-v1",
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+        ])
+        .arg("--home")
+        .arg(home)
+        .arg("--data")
+        .arg(data)
+        .args(["--device", "cpu", "--threads", "1"])
+        .arg("--report")
+        .arg(home.join("rounds.jsonl"))
+        .args(extra);
+    command
+}
+
+/// The round records a node wrote to its `--report` file (one JSON object per line).
+pub fn read_report(home: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(home.join("rounds.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+/// Deterministic English-like text: a few sentences in a pseudo-random order.
+pub fn sample_text(bytes: usize) -> String {
+    const SENTENCES: [&str; 6] = [
+        "To be, or not to be, that is the question. ",
+        "All the world's a stage, and all the men and women merely players. ",
+        "The quality of mercy is not strained. ",
+        "Now is the winter of our discontent. ",
+        "What's in a name? That which we call a rose would smell as sweet. ",
+        "Brevity is the soul of wit. ",
+    ];
+    let mut out = String::new();
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    while out.len() < bytes {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        out.push_str(SENTENCES[(state % SENTENCES.len() as u64) as usize]);
+    }
+    out.truncate(bytes);
+    out
+}
+
+/// Byte-token shards of [`sample_text`] in `dir/data`, made by `gasloc-node data prepare`.
+pub fn prepare_byte_data(dir: &Path) -> PathBuf {
+    let text = dir.join("corpus.txt");
+    std::fs::write(&text, sample_text(300_000)).unwrap();
+    let data = dir.join("data");
+    let status = Command::new(built_binary("gasloc-node"))
+        .args([
+            "data",
+            "prepare",
+            "--tokenizer",
+            "byte",
+            "--val-tokens",
+            "20000",
+        ])
+        .arg("--input")
+        .arg(&text)
+        .arg("--out")
+        .arg(&data)
+        .stdout(Stdio::null())
+        .status()
+        .expect("gasloc-node data prepare runs");
+    assert!(status.success(), "data prepare failed");
+    data
 }

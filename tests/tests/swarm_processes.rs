@@ -1,11 +1,10 @@
 //! A real bootstrap process and six `gasloc-node join --synthetic` processes on loopback run
 //! ten rounds: every node agrees on each round's permutation and every pairing is mutual.
 
-use gasloc_tests::built_binary;
+use gasloc_tests::{built_binary, start_bootstrap};
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const MANIFEST: &str = r#"
@@ -21,65 +20,13 @@ micro_batch = 4
 decay_steps = 100
 "#;
 
-/// Kills its processes when dropped (also when an assertion fails).
-struct Processes(Vec<Child>);
-
-impl Drop for Processes {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-fn wait_for_file(path: &Path, bound: Duration) -> String {
-    let start = Instant::now();
-    while start.elapsed() < bound {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            if !text.is_empty() {
-                return text;
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("{} did not appear within {bound:?}", path.display());
-}
-
 #[test]
 fn bootstrap_and_six_nodes_run_ten_rounds_with_mutual_pairings() {
     let dir = tempfile::tempdir().unwrap();
     let manifest = dir.path().join("run.toml");
     std::fs::write(&manifest, MANIFEST).unwrap();
-    let addr_file = dir.path().join("bootstrap.addrs");
-    let mut processes = Processes(Vec::new());
-    processes.0.push(
-        Command::new(built_binary("gasloc-bootstrap"))
-            .arg("--run")
-            .arg(&manifest)
-            .args([
-                "--listen",
-                "/ip4/127.0.0.1/udp/0/quic-v1",
-                "--listen",
-                "/ip4/127.0.0.1/tcp/0",
-            ])
-            .arg("--addr-file")
-            .arg(&addr_file)
-            .args(["--identity"])
-            .arg(dir.path().join("bootstrap.key"))
-            .args(["--genesis-delay-ms", "6000", "--round-period-ms", "2000"])
-            .args(["--commit-window-ms", "500", "--reveal-window-ms", "500"])
-            .args(["--exchange-timeout-ms", "900", "--topology", "one-peer"])
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("gasloc-bootstrap starts"),
-    );
-    let addrs = wait_for_file(&addr_file, Duration::from_secs(30));
-    let quic = addrs
-        .lines()
-        .find(|a| a.contains("/quic-v1/"))
-        .expect("bootstrap listens on QUIC")
-        .to_string();
+    // The manifest's default topology is one-peer.
+    let (_bootstrap, quic) = start_bootstrap(dir.path(), &manifest, 6000, 2000, 500, 900);
     assert!(quic.contains("/p2p/"), "{quic}");
 
     let n = 6;

@@ -106,6 +106,19 @@ impl OuterOptimizer {
         }
     }
 
+    /// The momentum buffers `m`, one per tensor (what a checkpoint and state sync carry).
+    pub fn momentum(&self) -> &[Tensor] {
+        &self.buffers
+    }
+
+    /// Overwrites the momentum buffers with `values` (same order and shapes).
+    pub fn set_momentum(&mut self, values: &[Tensor]) {
+        let _guard = tch::no_grad_guard();
+        for (m, v) in self.buffers.iter_mut().zip(values) {
+            m.copy_(v);
+        }
+    }
+
     /// Applies one outer step to `anchor` in place.
     pub fn step(&mut self, anchor: &mut [Tensor], delta: &[Tensor]) {
         let _guard = tch::no_grad_guard();

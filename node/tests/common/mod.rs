@@ -38,27 +38,7 @@ pub fn write_manifest(dir: &Path, text: &str) -> (PathBuf, RunManifest) {
     (path, manifest)
 }
 
-/// Deterministic English-like text: a few sentences in a pseudo-random order.
-pub fn sample_text(bytes: usize) -> String {
-    const SENTENCES: [&str; 6] = [
-        "To be, or not to be, that is the question. ",
-        "All the world's a stage, and all the men and women merely players. ",
-        "The quality of mercy is not strained. ",
-        "Now is the winter of our discontent. ",
-        "What's in a name? That which we call a rose would smell as sweet. ",
-        "Brevity is the soul of wit. ",
-    ];
-    let mut out = String::new();
-    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
-    while out.len() < bytes {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        out.push_str(SENTENCES[(state % SENTENCES.len() as u64) as usize]);
-    }
-    out.truncate(bytes);
-    out
-}
+pub use gasloc_tests::sample_text;
 
 /// A data directory with one byte-token training shard and one validation shard.
 pub fn byte_data(dir: &Path) -> PathBuf {

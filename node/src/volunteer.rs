@@ -1,0 +1,543 @@
+//! The volunteer's trainer in a swarm: the libtorch side of `gasloc-node join`.
+//!
+//! [`Volunteer`] implements the round driver's [`RoundWork`]. libtorch work is heavy and
+//! synchronous, so every call is sent to one OS thread that alone owns the [`Trainer`], the
+//! anchor `θ_i` and the outer optimizer; the async driver awaits the reply. A round on that
+//! thread is:
+//!
+//! 1. **train**: H_i inner AdamW steps from the anchor. With `adaptive_inner_steps`, as many
+//!    steps as fit before the driver's deadline (the round's end less the predicted exchange
+//!    and outer step, `ALGORITHMS.md` §2) at `t_step`, the moving average of this node's
+//!    measured step time: `H_i = clamp(floor(budget / t_step), H_min, H_max)`; otherwise H.
+//!    The payload is the local model `x_i` (fp32 or bf16, `[outer] payload`).
+//! 2. **finish**: the uniform mix of `x_i` and every neighbour's model that arrived (a
+//!    neighbour that did not is left out and the weights renormalised), as a pseudo-gradient
+//!    `Δ_i = θ_i − x̄_i`, then the outer Nesterov step on `θ_i` — the same functions as the
+//!    simulator (`algo::outer`). The new anchor is evaluated and, every K rounds, saved.
+//!
+//! The state served to late joiners is the anchor and the outer momentum, named
+//! `anchor.<param>` and `outer_momentum.<param>` (fp32). A checkpoint is the anchor as an HF
+//! model plus the AdamW moments, the data cursor, the outer momentum and the next round.
+
+use crate::algo::outer::{mixed_pseudo_gradient, OuterOptimizer};
+use crate::checkpoint::{self, Checkpoint};
+use crate::trainer::{validation_set, Trainer};
+use anyhow::{anyhow, bail, Context, Result};
+use gasloc_data::shards::TokenDataset;
+use gasloc_data::stream::{Batch, WorkerSlot};
+use gasloc_p2p::network::unix_ms;
+use gasloc_p2p::tensors::{Tensor as WireTensor, TensorSet, TensorSpec};
+use gasloc_p2p::work::{Finished, Received, RoundWork, TrainOrder, Trained, WorkFuture};
+use gasloc_p2p::PeerId;
+use gasloc_proto::manifest::{Algorithm, InnerOptimizerKind, Payload};
+use gasloc_proto::topology::MixingRow;
+use gasloc_proto::wire::DType;
+use gasloc_proto::RunManifest;
+use sha2::{Digest, Sha256};
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Instant;
+use tch::{Device, Kind, Tensor};
+use tokio::sync::oneshot;
+
+/// Where and how a volunteer trains.
+#[derive(Debug, Clone)]
+pub struct VolunteerOptions {
+    pub manifest: RunManifest,
+    pub device: Device,
+    /// Token shards (`gasloc-node data prepare`).
+    pub data: PathBuf,
+    /// Checkpoints go to `<checkpoints>/step_…` with a `latest` pointer.
+    pub checkpoints: PathBuf,
+    /// Save every this many rounds (and when leaving).
+    pub checkpoint_every: u64,
+    pub keep_checkpoints: usize,
+    /// Evaluate the anchor every this many rounds (0: never).
+    pub eval_every: u64,
+    /// libtorch intra-op threads (0: libtorch's default).
+    pub threads: i32,
+    /// The node's peer id: seeds its data order.
+    pub peer: PeerId,
+}
+
+/// How the volunteer started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// From the run's seed initialisation (a new run, unless state sync finds one under way).
+    Fresh,
+    /// From its own checkpoint, whose anchor begins this round.
+    Resumed { round: u64, step: u64 },
+}
+
+/// The libtorch trainer behind `gasloc-node join` (a handle to its thread).
+pub struct Volunteer {
+    requests: mpsc::Sender<Request>,
+    payload_table: Vec<TensorSpec>,
+    state_table: Vec<TensorSpec>,
+    start: Start,
+}
+
+enum Request {
+    Train(TrainOrder, oneshot::Sender<Result<Trained>>),
+    Finish(Received, oneshot::Sender<Result<Finished>>),
+    LoadState(u64, TensorSet, oneshot::Sender<Result<()>>),
+    Close(oneshot::Sender<Result<()>>),
+}
+
+impl Volunteer {
+    /// Starts the trainer thread: resumes from the newest checkpoint under
+    /// `options.checkpoints` when there is one of this run, else starts from the seed.
+    pub fn start(options: VolunteerOptions) -> Result<Volunteer> {
+        check_supported(&options.manifest)?;
+        let (ready_tx, ready_rx) = mpsc::channel();
+        let (requests, inbox) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("gasloc-trainer".into())
+            .spawn(move || {
+                if options.threads > 0 {
+                    tch::set_num_threads(options.threads);
+                }
+                match RoundTrainer::open(options) {
+                    Ok(trainer) => {
+                        let _ = ready_tx.send(Ok((
+                            trainer.payload_table(),
+                            trainer.state_table(),
+                            trainer.start,
+                        )));
+                        trainer.serve(inbox);
+                    }
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                    }
+                }
+            })
+            .context("cannot start the trainer thread")?;
+        let (payload_table, state_table, start) = ready_rx
+            .recv()
+            .map_err(|_| anyhow!("the trainer thread ended while starting"))??;
+        Ok(Volunteer {
+            requests,
+            payload_table,
+            state_table,
+            start,
+        })
+    }
+
+    pub fn start_kind(&self) -> Start {
+        self.start
+    }
+
+    fn call<T: Send + 'static>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<Result<T>>) -> Request,
+    ) -> WorkFuture<T> {
+        let (tx, rx) = oneshot::channel();
+        let sent = self.requests.send(make(tx));
+        Box::pin(async move {
+            sent.map_err(|_| anyhow!("the trainer thread has ended"))?;
+            rx.await
+                .map_err(|_| anyhow!("the trainer thread ended without answering"))?
+        })
+    }
+}
+
+impl RoundWork for Volunteer {
+    fn payload_table(&self) -> Vec<TensorSpec> {
+        self.payload_table.clone()
+    }
+    fn state_table(&self) -> Vec<TensorSpec> {
+        self.state_table.clone()
+    }
+    fn train(&mut self, order: TrainOrder) -> WorkFuture<Trained> {
+        self.call(|reply| Request::Train(order, reply))
+    }
+    fn finish(&mut self, received: Received) -> WorkFuture<Finished> {
+        self.call(|reply| Request::Finish(received, reply))
+    }
+    fn load_state(&mut self, round: u64, state: TensorSet) -> WorkFuture<()> {
+        self.call(|reply| Request::LoadState(round, state, reply))
+    }
+    fn close(&mut self) -> WorkFuture<()> {
+        self.call(Request::Close)
+    }
+}
+
+/// What `join` supports today; the error names the manifest key.
+fn check_supported(m: &RunManifest) -> Result<()> {
+    if m.outer.algorithm != Algorithm::Gasloc && m.outer.algorithm != Algorithm::Diloco {
+        bail!(
+            "[outer] algorithm = {:?}: join runs gasloc (and diloco with topology = \"complete\")",
+            m.outer.algorithm
+        );
+    }
+    if m.outer.payload == Payload::Lordo || m.outer.inner_optimizer == InnerOptimizerKind::Lordo {
+        bail!("[outer] payload/inner_optimizer = \"lordo\": join exchanges model-fp32 or model-bf16 payloads only (LoRDO runs in `gasloc-node sim`)");
+    }
+    Ok(())
+}
+
+/// The state the trainer thread owns.
+struct RoundTrainer {
+    options: VolunteerOptions,
+    trainer: Trainer,
+    names: Vec<String>,
+    shapes: Vec<Vec<i64>>,
+    /// θ_i, on the trainer's device.
+    anchor: Vec<Tensor>,
+    outer: OuterOptimizer,
+    val: Vec<Batch>,
+    payload_dtype: DType,
+    /// Moving average of one inner step, seconds.
+    step_time: Option<f64>,
+    /// The round the anchor begins (the next round to finish).
+    round: u64,
+    rounds_since_checkpoint: u64,
+    start: Start,
+}
+
+impl RoundTrainer {
+    fn open(options: VolunteerOptions) -> Result<RoundTrainer> {
+        let manifest = &options.manifest;
+        let data = Arc::new(TokenDataset::open(
+            &options.data,
+            manifest.data.tokenizer.vocab_size(),
+        )?);
+        let slot = WorkerSlot { index: 0, count: 1 };
+        let mut start = Start::Fresh;
+        let mut saved_momentum = Vec::new();
+        let trainer = match newest_checkpoint(&options)? {
+            Some((dir, ckpt)) => {
+                let trainer = Trainer::from_checkpoint(
+                    manifest,
+                    options.device,
+                    data.clone(),
+                    slot,
+                    &ckpt,
+                    &dir,
+                )?;
+                let state = ckpt.state.as_ref().expect("checked by from_checkpoint");
+                start = Start::Resumed {
+                    round: state.round.unwrap_or(0),
+                    step: state.step,
+                };
+                saved_momentum = ckpt.outer_momentum;
+                trainer
+            }
+            None => Trainer::with_stream_seed(
+                manifest,
+                options.device,
+                data.clone(),
+                slot,
+                stream_seed(manifest.seed, &options.peer),
+            )?,
+        };
+        let val = if options.eval_every > 0 {
+            validation_set(&data, manifest)?
+        } else {
+            Vec::new()
+        };
+        let anchor: Vec<Tensor> = trainer.parameters().iter().map(|t| t.copy()).collect();
+        let outer = OuterOptimizer::new(&manifest.outer, &anchor);
+        let names = trainer.parameter_names();
+        if !saved_momentum.is_empty() {
+            let targets: Vec<(String, Tensor)> = names
+                .iter()
+                .zip(outer.momentum())
+                .map(|(n, m)| (n.clone(), m.shallow_clone()))
+                .collect();
+            checkpoint::copy_into(&saved_momentum, &targets, &options.checkpoints, false)
+                .context("restoring the outer momentum")?;
+        }
+        let shapes = anchor.iter().map(|t| t.size()).collect();
+        let round = match start {
+            Start::Resumed { round, .. } => round,
+            Start::Fresh => 0,
+        };
+        Ok(RoundTrainer {
+            payload_dtype: match manifest.outer.payload {
+                Payload::ModelBf16 => DType::Bf16,
+                _ => DType::F32,
+            },
+            trainer,
+            names,
+            shapes,
+            anchor,
+            outer,
+            val,
+            step_time: None,
+            round,
+            rounds_since_checkpoint: 0,
+            start,
+            options,
+        })
+    }
+
+    fn serve(mut self, inbox: mpsc::Receiver<Request>) {
+        while let Ok(request) = inbox.recv() {
+            match request {
+                Request::Train(order, reply) => {
+                    let _ = reply.send(self.train(order));
+                }
+                Request::Finish(received, reply) => {
+                    let _ = reply.send(self.finish(received));
+                }
+                Request::LoadState(round, state, reply) => {
+                    let _ = reply.send(self.load_state(round, state));
+                }
+                Request::Close(reply) => {
+                    let _ = reply.send(self.save());
+                    return;
+                }
+            }
+        }
+    }
+
+    fn spec(&self, name: String, shape: &[i64], dtype: DType) -> TensorSpec {
+        TensorSpec {
+            name,
+            dtype,
+            shape: shape.iter().map(|&d| d as u64).collect(),
+        }
+    }
+
+    fn payload_table(&self) -> Vec<TensorSpec> {
+        self.names
+            .iter()
+            .zip(&self.shapes)
+            .map(|(n, s)| self.spec(n.clone(), s, self.payload_dtype))
+            .collect()
+    }
+
+    fn state_table(&self) -> Vec<TensorSpec> {
+        ["anchor", "outer_momentum"]
+            .iter()
+            .flat_map(|prefix| {
+                self.names
+                    .iter()
+                    .zip(&self.shapes)
+                    .map(move |(n, s)| self.spec(format!("{prefix}.{n}"), s, DType::F32))
+            })
+            .collect()
+    }
+
+    /// Runs H_i inner steps: H with fixed H; with adaptive H_i, as many steps as fit before
+    /// the driver's deadline at the measured step time, within `[H_min, H_max]` (§2).
+    fn train(&mut self, order: TrainOrder) -> Result<Trained> {
+        let o = &self.options.manifest.outer;
+        let (adaptive, fixed, min_steps, max_steps) = (
+            o.adaptive_inner_steps,
+            o.inner_steps,
+            o.min_inner_steps,
+            o.max_inner_steps,
+        );
+        let mut loss_sum = 0.0;
+        let mut steps = 0u64;
+        loop {
+            let more = if adaptive {
+                let left = order.deadline.remaining(unix_ms()).as_secs_f64();
+                steps < min_steps || (steps < max_steps && left >= self.step_time.unwrap_or(0.0))
+            } else {
+                steps < fixed
+            };
+            if !more {
+                break;
+            }
+            let t0 = Instant::now();
+            let report = self.trainer.step()?;
+            let took = t0.elapsed().as_secs_f64();
+            self.step_time = Some(match self.step_time {
+                Some(avg) => 0.8 * avg + 0.2 * took,
+                None => took,
+            });
+            loss_sum += report.loss;
+            steps += 1;
+        }
+        Ok(Trained {
+            payload: self.payload()?,
+            inner_steps: steps,
+            step_time_s: self.step_time.unwrap_or(0.0),
+            train_loss: (steps > 0).then(|| loss_sum / steps as f64),
+        })
+    }
+
+    /// The local model as the wire payload.
+    fn payload(&self) -> Result<TensorSet> {
+        let kind = match self.payload_dtype {
+            DType::Bf16 => Kind::BFloat16,
+            _ => Kind::Float,
+        };
+        let tensors = self
+            .names
+            .iter()
+            .zip(self.trainer.parameters())
+            .map(|(name, t)| to_wire(name.clone(), &t, kind, self.payload_dtype))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(TensorSet::new(tensors))
+    }
+
+    fn finish(&mut self, received: Received) -> Result<Finished> {
+        let device = self.trainer.device();
+        let own = self.trainer.parameters();
+        let mut models: Vec<Vec<Tensor>> = vec![own];
+        for (peer, set) in &received.payloads {
+            let decoded = set
+                .tensors
+                .iter()
+                .zip(&self.shapes)
+                .map(|(t, shape)| from_wire(t, shape, device))
+                .collect::<Result<Vec<_>>>()
+                .with_context(|| format!("decoding the model from {peer}"))?;
+            models.push(decoded);
+        }
+        let others: Vec<usize> = (1..models.len()).collect();
+        let row = MixingRow::uniform(0, &others);
+        let delta = mixed_pseudo_gradient(&row, &self.anchor, |j| &models[j][..]);
+        self.outer.step(&mut self.anchor, &delta);
+        self.trainer.set_parameters(&self.anchor);
+        self.round = received.round + 1;
+        let every = self.options.eval_every;
+        let val_loss = (every > 0 && !self.val.is_empty() && received.round.is_multiple_of(every))
+            .then(|| self.trainer.evaluate(&self.val));
+        self.rounds_since_checkpoint += 1;
+        if self.options.checkpoint_every > 0
+            && self.rounds_since_checkpoint >= self.options.checkpoint_every
+        {
+            self.save()?;
+        }
+        Ok(Finished {
+            state: self.state()?,
+            val_loss,
+        })
+    }
+
+    /// Anchor and outer momentum, fp32, for state sync.
+    fn state(&self) -> Result<TensorSet> {
+        let mut tensors = Vec::with_capacity(2 * self.names.len());
+        for (prefix, values) in [
+            ("anchor", &self.anchor[..]),
+            ("outer_momentum", self.outer.momentum()),
+        ] {
+            for (name, t) in self.names.iter().zip(values) {
+                tensors.push(to_wire(
+                    format!("{prefix}.{name}"),
+                    t,
+                    Kind::Float,
+                    DType::F32,
+                )?);
+            }
+        }
+        Ok(TensorSet::new(tensors))
+    }
+
+    fn load_state(&mut self, round: u64, state: TensorSet) -> Result<()> {
+        let n = self.names.len();
+        if state.tensors.len() != 2 * n {
+            bail!(
+                "the synced state holds {} tensors, not {}",
+                state.tensors.len(),
+                2 * n
+            );
+        }
+        let device = self.trainer.device();
+        let decode = |range: std::ops::Range<usize>| {
+            state.tensors[range]
+                .iter()
+                .zip(&self.shapes)
+                .map(|(t, shape)| from_wire(t, shape, device))
+                .collect::<Result<Vec<_>>>()
+        };
+        let anchor = decode(0..n)?;
+        let momentum = decode(n..2 * n)?;
+        let _guard = tch::no_grad_guard();
+        for (a, v) in self.anchor.iter_mut().zip(&anchor) {
+            a.copy_(v);
+        }
+        self.outer.set_momentum(&momentum);
+        self.trainer.set_parameters(&self.anchor);
+        self.round = round;
+        tracing::info!(round, "state synced: training from the swarm's anchor");
+        Ok(())
+    }
+
+    /// Saves the anchor (not the half-trained local model) with the inner optimizer's
+    /// moments, the data cursor, the outer momentum and the round it begins.
+    fn save(&mut self) -> Result<()> {
+        let to_cpu = |t: &Tensor| t.detach().to_device(Device::Cpu);
+        let mut ckpt: Checkpoint = self.trainer.checkpoint()?;
+        ckpt.model = self
+            .names
+            .iter()
+            .zip(&self.anchor)
+            .map(|(n, t)| (n.clone(), to_cpu(t)))
+            .collect();
+        ckpt.outer_momentum = self
+            .names
+            .iter()
+            .zip(self.outer.momentum())
+            .map(|(n, t)| (n.clone(), to_cpu(t)))
+            .collect();
+        if let Some(state) = ckpt.state.as_mut() {
+            state.round = Some(self.round);
+        }
+        let dir = checkpoint::save(
+            &self.options.checkpoints,
+            &ckpt,
+            self.options.keep_checkpoints,
+        )?;
+        self.rounds_since_checkpoint = 0;
+        tracing::info!(round = self.round, dir = %dir.display(), "checkpoint saved");
+        println!("checkpoint={} round={}", dir.display(), self.round);
+        Ok(())
+    }
+}
+
+/// The newest checkpoint under `options.checkpoints`, if any; one of another run is an error.
+fn newest_checkpoint(options: &VolunteerOptions) -> Result<Option<(PathBuf, Checkpoint)>> {
+    if !checkpoint::exists(&options.checkpoints) {
+        return Ok(None);
+    }
+    let dir = checkpoint::resolve(&options.checkpoints)?;
+    let ckpt = checkpoint::load(&dir, Some(&options.manifest))?;
+    let run = ckpt.state.as_ref().map(|s| s.run_id.clone());
+    if run.as_deref() != Some(options.manifest.run_id().as_str()) {
+        bail!(
+            "{} holds a checkpoint of run {}, not of this run {}: use another --home",
+            dir.display(),
+            run.unwrap_or_else(|| "(none)".into()),
+            options.manifest.run_id()
+        );
+    }
+    Ok(Some((dir, ckpt)))
+}
+
+/// The data order of a node: the run's seed mixed with its peer id.
+fn stream_seed(run_seed: u64, peer: &PeerId) -> u64 {
+    let digest = Sha256::new()
+        .chain_update(run_seed.to_le_bytes())
+        .chain_update(peer.to_bytes())
+        .finalize();
+    u64::from_le_bytes(digest[..8].try_into().expect("8 bytes"))
+}
+
+/// A libtorch tensor as a named little-endian wire tensor of `dtype`.
+fn to_wire(name: String, t: &Tensor, kind: Kind, dtype: DType) -> Result<WireTensor> {
+    let t = t.detach().to_device(Device::Cpu).to_kind(kind).contiguous();
+    let numel = t.numel();
+    let mut bytes = vec![0u8; numel * dtype.size().unwrap_or(4) as usize];
+    t.f_copy_data_u8(&mut bytes, numel)?;
+    let shape = t.size().iter().map(|&d| d as u64).collect();
+    WireTensor::new(name, dtype, shape, bytes).map_err(anyhow::Error::msg)
+}
+
+/// A wire tensor (already checked against its table) as an fp32 tensor on `device`.
+fn from_wire(t: &WireTensor, shape: &[i64], device: Device) -> Result<Tensor> {
+    let kind = match t.dtype {
+        DType::F32 => Kind::Float,
+        DType::Bf16 => Kind::BFloat16,
+        other => bail!("tensor {}: dtype {other:?} is not a model payload", t.name),
+    };
+    Ok(Tensor::f_from_data_size(&t.data, shape, kind)?
+        .to_kind(Kind::Float)
+        .to_device(device))
+}

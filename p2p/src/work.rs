@@ -1,0 +1,104 @@
+//! [`RoundWork`]: what the round driver asks of the local trainer, whichever it is.
+//!
+//! The driver owns the network side of a round (commit-reveal, the exchange); the work owns
+//! the model: it runs the round's inner steps within a time budget, produces the payload to
+//! send, and at the end of the round mixes what arrived and takes the outer step. The
+//! libtorch trainer (`gasloc-node`'s `volunteer` module) and the [`SyntheticTrainer`]
+//! implement it; the network crate never sees a libtorch tensor.
+//!
+//! Calls return boxed futures that own what they need (`'static`), so the driver can poll
+//! them next to network events; a libtorch implementation sends each call to its own
+//! thread and awaits the reply.
+//!
+//! [`SyntheticTrainer`]: crate::synthetic::SyntheticTrainer
+
+use crate::tensors::{TensorSet, TensorSpec};
+use libp2p::PeerId;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A call's result, computed off the driver's task.
+pub type WorkFuture<T> = Pin<Box<dyn Future<Output = anyhow::Result<T>> + Send>>;
+
+/// What the driver asks for when a round starts.
+#[derive(Debug, Clone)]
+pub struct TrainOrder {
+    pub round: u64,
+    /// When the inner steps should be done so that the exchange still ends within the
+    /// round: the round's end minus the predicted exchange time and the outer step
+    /// (`ALGORITHMS.md` §2). The driver moves it once the round's neighbours are known. An
+    /// adaptive trainer fits H_i to it; a fixed-H trainer ignores it.
+    pub deadline: TrainDeadline,
+}
+
+/// A deadline in Unix milliseconds that one side may move while the other reads it.
+#[derive(Debug, Clone, Default)]
+pub struct TrainDeadline(Arc<AtomicU64>);
+
+impl TrainDeadline {
+    pub fn new(unix_ms: u64) -> Self {
+        TrainDeadline(Arc::new(AtomicU64::new(unix_ms)))
+    }
+    pub fn set(&self, unix_ms: u64) {
+        self.0.store(unix_ms, Ordering::Relaxed);
+    }
+    pub fn unix_ms(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+    /// Time left from `now_unix_ms` (zero once passed).
+    pub fn remaining(&self, now_unix_ms: u64) -> Duration {
+        Duration::from_millis(self.unix_ms().saturating_sub(now_unix_ms))
+    }
+}
+
+/// What the inner steps produced.
+#[derive(Debug, Clone)]
+pub struct Trained {
+    /// The payload every neighbour receives (it matches [`RoundWork::payload_table`]).
+    pub payload: TensorSet,
+    /// Inner steps taken (H_i).
+    pub inner_steps: u64,
+    /// Moving average of one inner step, seconds.
+    pub step_time_s: f64,
+    /// Mean training loss over the round's steps (None for the synthetic trainer).
+    pub train_loss: Option<f64>,
+}
+
+/// What arrived from the round's neighbours.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub round: u64,
+    /// Every neighbour of the round, whether its payload arrived or not.
+    pub neighbours: Vec<PeerId>,
+    /// The payloads that arrived and passed every check, in neighbour order.
+    pub payloads: Vec<(PeerId, TensorSet)>,
+}
+
+/// The state after the round's outer step.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    /// Anchor and outer momentum, as state sync serves them to joining nodes.
+    pub state: TensorSet,
+    /// Validation loss of the new anchor, when it was evaluated this round.
+    pub val_loss: Option<f64>,
+}
+
+/// The local trainer as the round driver sees it.
+pub trait RoundWork: Send + Sync {
+    /// The table of every payload (incoming payloads are checked against it).
+    fn payload_table(&self) -> Vec<TensorSpec>;
+    /// The table of the state that state sync moves.
+    fn state_table(&self) -> Vec<TensorSpec>;
+    /// Runs the round's inner steps.
+    fn train(&mut self, order: TrainOrder) -> WorkFuture<Trained>;
+    /// Mixes this node's model with what arrived and applies the outer step.
+    fn finish(&mut self, received: Received) -> WorkFuture<Finished>;
+    /// Replaces the state with one fetched from a live peer (late join); `round` is the
+    /// round it was published for.
+    fn load_state(&mut self, round: u64, state: TensorSet) -> WorkFuture<()>;
+    /// Leaving the swarm: persist what a restart needs (a checkpoint of the last anchor).
+    fn close(&mut self) -> WorkFuture<()>;
+}

@@ -1,0 +1,98 @@
+//! A swarm on the two-peer topology (each node mixes with two ring neighbours) learns, with
+//! fixed H; a node that expects another run is refused before it trains; and the status
+//! endpoint of a live node serves its rounds.
+
+use gasloc_tests::{field, join_command, prepare_byte_data, read_report, start_bootstrap, Proc};
+use std::time::Duration;
+
+const MANIFEST: &str = r#"
+name = "swarm-two-peer-test"
+seed = 5
+[model]
+size = "tiny"
+[data]
+tokenizer = "byte"
+seq_len = 32
+micro_batch = 8
+[optimizer]
+lr = 3e-3
+warmup_steps = 10
+decay_steps = 2000
+[eval]
+batches = 4
+[outer]
+topology = "two-peer"
+inner_steps = 25
+"#;
+
+#[test]
+fn four_nodes_on_a_two_peer_ring_learn_and_other_runs_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let manifest = dir.join("run.toml");
+    std::fs::write(&manifest, MANIFEST).unwrap();
+    let data = prepare_byte_data(dir);
+    let (_bootstrap, boot) = start_bootstrap(dir, &manifest, 6000, 3500, 500, 1500);
+    let home = |i: usize| dir.join(format!("node{i}"));
+
+    // A node that expects another run's id is refused by the manifest check.
+    let other_run = "ab".repeat(32);
+    let mut stranger = Proc::spawn(
+        "stranger",
+        dir,
+        join_command(&boot, &home(9), &data, &["--run-id", &other_run]),
+    );
+    assert!(!stranger.wait_exit(Duration::from_secs(60)));
+    let refusal = std::fs::read_to_string(&stranger.stderr).unwrap();
+    assert!(refusal.contains(&other_run), "{refusal}");
+
+    let mut nodes: Vec<Proc> = (1..=4)
+        .map(|i| {
+            let port = 0; // any free port; the node prints it
+            let status = format!("127.0.0.1:{port}");
+            Proc::spawn(
+                &format!("node{i}"),
+                dir,
+                join_command(
+                    &boot,
+                    &home(i),
+                    &data,
+                    &["--rounds", "7", "--status-addr", &status],
+                ),
+            )
+        })
+        .collect();
+    let status_line = nodes[0].wait_for_line("status=", Duration::from_secs(60));
+    let status_addr = field(&status_line, "status")
+        .unwrap()
+        .trim_start_matches("http://")
+        .to_string();
+    for node in &mut nodes {
+        assert!(
+            node.wait_exit(Duration::from_secs(120)),
+            "{}:\n{}",
+            node.name,
+            node.stderr_tail()
+        );
+    }
+    let _ = status_addr;
+    for i in 1..=4 {
+        let records = read_report(&home(i));
+        assert_eq!(records.len(), 7, "node{i}");
+        for r in &records {
+            assert_eq!(r["inner_steps"], 25, "node{i}: fixed H");
+            assert_eq!(r["neighbours"].as_array().unwrap().len(), 2, "node{i}: {r}");
+            assert_eq!(
+                r["exchanged"], r["neighbours"],
+                "node{i} round {}: {}",
+                r["round"], r["failed"]
+            );
+        }
+        let v: Vec<f64> = records
+            .iter()
+            .filter_map(|r| r["val_loss"].as_f64())
+            .collect();
+        assert!(v.last().unwrap() < &(v[0] - 0.3), "node{i}: {v:?}");
+        assert!(v.last().unwrap() < &3.0, "node{i}: {v:?}");
+    }
+}
