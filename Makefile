@@ -22,7 +22,7 @@ NODE := target/debug/gasloc-node
 .PHONY: help setup venv chromium build demo-data demo test bench clean
 
 help:
-	@echo "make demo   set up, build, and train on the bundled Shakespeare data"
+	@echo "make demo   set up, build, and run a local swarm (bootstrap + 4 nodes) on Shakespeare"
 	@echo "make test   set up, then formatting, clippy (warnings denied) and every test"
 	@echo "make setup  the .venv with torch $(TORCH_VERSION) + transformers, and the demo data"
 	@echo "make bench  the benchmarks in bench/ (see docs/performance.md)"
@@ -52,7 +52,7 @@ demo-data: build
 	bash deploy/demo-data.sh $(NODE) $(DATA)
 
 demo: setup
-	bash deploy/demo.sh $(NODE) $(DATA)
+	bash deploy/demo.sh target/debug $(DATA)
 
 test: setup
 	cargo fmt --all -- --check

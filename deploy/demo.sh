@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# `make demo`: trains the demo model (examples/runs/demo.toml) on the bundled Shakespeare
-# byte-token data on this machine, printing a line per 10 steps and a validation loss every
-# 25, then evaluates the final checkpoint. Ctrl-C stops it cleanly: the node finishes its
-# step and writes a checkpoint.
+# `make demo`: a whole gasloc swarm on this machine. A bootstrap node and 4 volunteer nodes
+# (`gasloc-node join`) train the demo model (examples/runs/demo.toml, 0.8 M parameters) on
+# the bundled Shakespeare byte-token data over loopback: each round every node takes its
+# inner AdamW steps, agrees on the round's pairs by commit-reveal, swaps its model with its
+# partner over QUIC and takes the outer Nesterov step. Prints every node's dashboard address
+# and one line per round (validation loss and H_i of each node, bytes sent); Ctrl-C stops
+# everything cleanly (each node finishes its round, checkpoints and leaves).
 #
-# usage: deploy/demo.sh <gasloc-node binary> <data dir> [steps]
+# usage: deploy/demo.sh <bin dir> <data dir> [nodes] [rounds]
 set -euo pipefail
-node=${1:?gasloc-node binary}
+bin=${1:?bin dir}
 data=${2:?data dir}
-steps=${3:-400}
+nodes=${3:-4}
+rounds=${4:-}
 shards="$data/shakespeare-byte"
 [ -d "$shards" ] || { echo "no demo data in $shards: run make setup" >&2; exit 1; }
-run_dir="runs/demo-$(date +%Y%m%d-%H%M%S)"
-echo "gasloc demo: training examples/runs/demo.toml for $steps steps on $(nproc) CPU core(s)"
-echo "checkpoints: $run_dir  (Ctrl-C stops after the current step and saves)"
-"$node" train --run examples/runs/demo.toml --data "$shards" --steps "$steps" \
-  --checkpoint-dir "$run_dir" --checkpoint-every 100 --log-interval 10 --device auto
-"$node" eval --checkpoint "$run_dir" --data "$shards"
+echo "gasloc demo: a bootstrap + $nodes nodes on loopback, $(nproc) CPU core(s), one libtorch thread per node"
+exec bash "$(dirname "$0")/local-swarm.sh" "$bin" examples/runs/demo.toml "$shards" "$nodes" $rounds
