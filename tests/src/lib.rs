@@ -207,6 +207,20 @@ pub fn read_report(home: &Path) -> Vec<serde_json::Value> {
         .collect()
 }
 
+/// `GET path` over plain HTTP/1.0 from `addr` (host:port); the whole response, headers
+/// included.
+pub fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap_or_else(|e| panic!("{addr}: {e}"));
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    response
+}
+
 /// Deterministic English-like text: a few sentences in a pseudo-random order.
 pub fn sample_text(bytes: usize) -> String {
     const SENTENCES: [&str; 6] = [

@@ -1,8 +1,12 @@
 //! A swarm on the two-peer topology (each node mixes with two ring neighbours) learns, with
-//! fixed H; a node that expects another run is refused before it trains; and the status
-//! endpoint of a live node serves its rounds.
+//! fixed H; a node that expects another run is refused before it trains; and a live node's
+//! status endpoint serves its status (terminal client), its JSON and its metrics.
 
-use gasloc_tests::{field, join_command, prepare_byte_data, read_report, start_bootstrap, Proc};
+use gasloc_tests::{
+    built_binary, field, http_get, join_command, prepare_byte_data, read_report, start_bootstrap,
+    Proc,
+};
+use std::process::Command;
 use std::time::Duration;
 
 const MANIFEST: &str = r#"
@@ -48,8 +52,8 @@ fn four_nodes_on_a_two_peer_ring_learn_and_other_runs_are_refused() {
 
     let mut nodes: Vec<Proc> = (1..=4)
         .map(|i| {
-            let port = 0; // any free port; the node prints it
-            let status = format!("127.0.0.1:{port}");
+            // Port 0: any free port; the node prints the address.
+            let status = "127.0.0.1:0".to_string();
             Proc::spawn(
                 &format!("node{i}"),
                 dir,
@@ -67,6 +71,38 @@ fn four_nodes_on_a_two_peer_ring_learn_and_other_runs_are_refused() {
         .unwrap()
         .trim_start_matches("http://")
         .to_string();
+    // While the swarm runs: the node's status in the terminal and its Prometheus metrics
+    // (gasloc's and libp2p's).
+    let first = nodes[0].wait_for_line("round=1 ", Duration::from_secs(60));
+    let peer = field(&nodes[0].output(), "peer_id").unwrap().to_string();
+    let status = Command::new(built_binary("gasloc-node"))
+        .args(["status", "--addr", &status_addr])
+        .output()
+        .unwrap();
+    let status = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        status.contains(&peer) && status.contains("swarm-two-peer-test"),
+        "{status}"
+    );
+    assert!(status.contains("round"), "{status}\nafter {first}");
+    let metrics = http_get(&status_addr, "/metrics");
+    for metric in [
+        "gasloc_round",
+        "gasloc_inner_steps",
+        "gasloc_val_loss",
+        "libp2p_swarm",
+    ] {
+        assert!(
+            metrics.contains(metric),
+            "no {metric} in /metrics:\n{metrics}"
+        );
+    }
+    let json = http_get(&status_addr, "/status");
+    assert!(
+        json.contains("\"history\"") && json.contains(&peer),
+        "{json}"
+    );
+
     for node in &mut nodes {
         assert!(
             node.wait_exit(Duration::from_secs(120)),
@@ -75,7 +111,6 @@ fn four_nodes_on_a_two_peer_ring_learn_and_other_runs_are_refused() {
             node.stderr_tail()
         );
     }
-    let _ = status_addr;
     for i in 1..=4 {
         let records = read_report(&home(i));
         assert_eq!(records.len(), 7, "node{i}");
