@@ -193,6 +193,8 @@ struct RoundTrainer {
     /// The round the anchor begins (the next round to finish).
     round: u64,
     rounds_since_checkpoint: u64,
+    /// The round of the anchor in the newest checkpoint written or resumed from.
+    saved_round: Option<u64>,
     start: Start,
 }
 
@@ -268,6 +270,10 @@ impl RoundTrainer {
             step_time: None,
             round,
             rounds_since_checkpoint: 0,
+            saved_round: match start {
+                Start::Resumed { round, .. } => Some(round),
+                Start::Fresh => None,
+            },
             start,
             options,
         })
@@ -286,7 +292,9 @@ impl RoundTrainer {
                     let _ = reply.send(self.load_state(round, state));
                 }
                 Request::Close(reply) => {
-                    let _ = reply.send(self.save());
+                    // Saved already when the newest checkpoint holds the current anchor.
+                    let current = self.saved_round == Some(self.round);
+                    let _ = reply.send(if current { Ok(()) } else { self.save() });
                     return;
                 }
             }
@@ -486,6 +494,7 @@ impl RoundTrainer {
             self.options.keep_checkpoints,
         )?;
         self.rounds_since_checkpoint = 0;
+        self.saved_round = Some(self.round);
         tracing::info!(round = self.round, dir = %dir.display(), "checkpoint saved");
         println!("checkpoint={} round={}", dir.display(), self.round);
         Ok(())

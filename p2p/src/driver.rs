@@ -232,11 +232,12 @@ impl RoundDriver {
                 done = work_opt(&mut training) => {
                     training = None;
                     match done {
-                        Ok(trained) => {
+                        Ok(mut trained) => {
                             if let Some(a) = active.as_mut() {
+                                // The payload moves into the outgoing message (no copy).
                                 let payload = Arc::new(OutgoingPayload::new(
                                     PayloadKind::Model,
-                                    Arc::new(trained.payload.clone()),
+                                    Arc::new(std::mem::take(&mut trained.payload)),
                                     self.options.send.clone(),
                                 ));
                                 self.status.send_modify(|s| {

@@ -31,13 +31,17 @@ impl UploadLimiter {
 
     /// Waits until `bytes` more may have left this node.
     pub async fn pace(&self, bytes: usize) {
-        let until = {
-            let mut next = self.next_free.lock().expect("upload limiter lock");
-            let start = (*next).max(Instant::now());
-            *next = start + Duration::from_secs_f64(bytes as f64 / self.bytes_per_s as f64);
-            *next
-        };
+        let until = self.reserve(bytes, Instant::now());
         tokio::time::sleep_until(until).await;
+    }
+
+    /// Books `bytes` on the shared timeline at `now` (after whatever is booked already) and
+    /// returns when that slot ends.
+    fn reserve(&self, bytes: usize, now: Instant) -> Instant {
+        let mut next = self.next_free.lock().expect("upload limiter lock");
+        let start = (*next).max(now);
+        *next = start + Duration::from_secs_f64(bytes as f64 / self.bytes_per_s as f64);
+        *next
     }
 }
 
@@ -85,21 +89,18 @@ mod tests {
         }
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn streams_share_one_rate() {
-        let limiter = std::sync::Arc::new(UploadLimiter::new(1000));
-        let start = Instant::now();
-        let a = {
-            let l = limiter.clone();
-            tokio::spawn(async move { l.pace(500).await })
-        };
-        let b = {
-            let l = limiter.clone();
-            tokio::spawn(async move { l.pace(1500).await })
-        };
-        a.await.unwrap();
-        b.await.unwrap();
-        // 2000 bytes at 1000 B/s, whichever stream went first.
-        assert_eq!(start.elapsed(), Duration::from_secs(2));
+        let limiter = UploadLimiter::new(1000);
+        let now = Instant::now();
+        // Two streams book at the same moment: the second slot follows the first.
+        assert_eq!(limiter.reserve(500, now), now + Duration::from_millis(500));
+        assert_eq!(limiter.reserve(1500, now), now + Duration::from_secs(2));
+        // After an idle gap, booking starts from the present again.
+        let later = now + Duration::from_secs(10);
+        assert_eq!(
+            limiter.reserve(250, later),
+            later + Duration::from_millis(250)
+        );
     }
 }

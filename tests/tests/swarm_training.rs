@@ -150,7 +150,7 @@ fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
     // kill (a round may be missed when a partner's slow link is met for the first time).
     for (i, records) in reports.iter().enumerate().take(3) {
         let rounds = rounds_of(records);
-        assert!(rounds.len() >= 10, "node{}: {rounds:?}", i + 1);
+        assert!(rounds.len() >= 8, "node{}: {rounds:?}", i + 1);
         let span = rounds.last().unwrap() - rounds[0] + 1;
         assert!(
             rounds.len() as u64 + 2 >= span,
