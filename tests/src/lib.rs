@@ -136,17 +136,9 @@ pub fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
         .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
 }
 
-/// Starts a bootstrap for `manifest` on loopback with the given round timing (ms) and
-/// returns it with its QUIC address.
-pub fn start_bootstrap(
-    dir: &Path,
-    manifest: &Path,
-    genesis_delay_ms: u64,
-    period_ms: u64,
-    window_ms: u64,
-    exchange_timeout_ms: u64,
-) -> (Proc, String) {
-    let addr_file = dir.join("bootstrap.addrs");
+/// `gasloc-bootstrap` for `manifest` on loopback (QUIC and TCP), writing its addresses to
+/// `dir/<name>.addrs` and its key to `dir/<name>.key`; the caller adds round timing.
+pub fn bootstrap_command(dir: &Path, name: &str, manifest: &Path) -> Command {
     let mut command = Command::new(built_binary("gasloc-bootstrap"));
     command
         .arg("--run")
@@ -158,22 +150,42 @@ pub fn start_bootstrap(
             "/ip4/127.0.0.1/tcp/0",
         ])
         .arg("--addr-file")
-        .arg(&addr_file)
+        .arg(dir.join(format!("{name}.addrs")))
         .arg("--identity")
-        .arg(dir.join("bootstrap.key"))
-        .args(["--genesis-delay-ms", &genesis_delay_ms.to_string()])
-        .args(["--round-period-ms", &period_ms.to_string()])
-        .args(["--commit-window-ms", &window_ms.to_string()])
-        .args(["--reveal-window-ms", &window_ms.to_string()])
-        .args(["--exchange-timeout-ms", &exchange_timeout_ms.to_string()]);
-    let proc = Proc::spawn("bootstrap", dir, command);
-    let addrs = wait_for_file(&addr_file, Duration::from_secs(30));
+        .arg(dir.join(format!("{name}.key")));
+    command
+}
+
+/// Spawns a [`bootstrap_command`] and waits for its QUIC address.
+pub fn spawn_bootstrap(dir: &Path, name: &str, command: Command) -> (Proc, String) {
+    let proc = Proc::spawn(name, dir, command);
+    let addrs = wait_for_file(&dir.join(format!("{name}.addrs")), Duration::from_secs(30));
     let quic = addrs
         .lines()
         .find(|a| a.contains("/quic-v1/"))
         .expect("bootstrap listens on QUIC")
         .to_string();
     (proc, quic)
+}
+
+/// Starts a bootstrap for `manifest` on loopback with the given round timing (ms) and
+/// returns it with its QUIC address.
+pub fn start_bootstrap(
+    dir: &Path,
+    manifest: &Path,
+    genesis_delay_ms: u64,
+    period_ms: u64,
+    window_ms: u64,
+    exchange_timeout_ms: u64,
+) -> (Proc, String) {
+    let mut command = bootstrap_command(dir, "bootstrap", manifest);
+    command
+        .args(["--genesis-delay-ms", &genesis_delay_ms.to_string()])
+        .args(["--round-period-ms", &period_ms.to_string()])
+        .args(["--commit-window-ms", &window_ms.to_string()])
+        .args(["--reveal-window-ms", &window_ms.to_string()])
+        .args(["--exchange-timeout-ms", &exchange_timeout_ms.to_string()]);
+    spawn_bootstrap(dir, "bootstrap", command)
 }
 
 /// `gasloc-node join` on loopback with its own home under `dir`, one libtorch thread.
