@@ -233,6 +233,15 @@ pub fn http_get(addr: &str, path: &str) -> String {
     response
 }
 
+/// A run manifest for swarms of the synthetic trainer (the model is never built; only the
+/// run id and round timing matter). `name` makes the run id differ between tests.
+pub fn synthetic_run(name: &str) -> String {
+    format!(
+        "name = \"{name}\"\nseed = 1\n[model]\nsize = \"tiny\"\n[data]\ntokenizer = \"byte\"\n\
+         seq_len = 64\nmicro_batch = 4\n[optimizer]\ndecay_steps = 100\n"
+    )
+}
+
 /// Deterministic English-like text: a few sentences in a pseudo-random order.
 pub fn sample_text(bytes: usize) -> String {
     const SENTENCES: [&str; 6] = [

@@ -1,30 +1,17 @@
 //! A real bootstrap process and six `gasloc-node join --synthetic` processes on loopback run
 //! ten rounds: every node agrees on each round's permutation and every pairing is mutual.
 
-use gasloc_tests::{built_binary, start_bootstrap};
+use gasloc_tests::{built_binary, start_bootstrap, synthetic_run};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const MANIFEST: &str = r#"
-name = "swarm-test"
-seed = 1
-[model]
-size = "tiny"
-[data]
-tokenizer = "byte"
-seq_len = 64
-micro_batch = 4
-[optimizer]
-decay_steps = 100
-"#;
-
 #[test]
 fn bootstrap_and_six_nodes_run_ten_rounds_with_mutual_pairings() {
     let dir = tempfile::tempdir().unwrap();
     let manifest = dir.path().join("run.toml");
-    std::fs::write(&manifest, MANIFEST).unwrap();
+    std::fs::write(&manifest, synthetic_run("swarm-test")).unwrap();
     // The manifest's default topology is one-peer.
     let (_bootstrap, quic) = start_bootstrap(dir.path(), &manifest, 6000, 2000, 500, 900);
     assert!(quic.contains("/p2p/"), "{quic}");

@@ -3,29 +3,18 @@
 //! know only one of them each (two per bootstrap) form one swarm: in every round they agree
 //! on the same members and permutation, and every pairing is mutual and exchanged.
 
-use gasloc_tests::{bootstrap_command, built_binary, read_report, spawn_bootstrap, Proc};
+use gasloc_tests::{
+    bootstrap_command, built_binary, read_report, spawn_bootstrap, synthetic_run, Proc,
+};
 use std::process::Command;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
-
-const MANIFEST: &str = r#"
-name = "two-bootstraps-test"
-seed = 2
-[model]
-size = "tiny"
-[data]
-tokenizer = "byte"
-seq_len = 64
-micro_batch = 4
-[optimizer]
-decay_steps = 100
-"#;
 
 #[test]
 fn nodes_of_two_bootstraps_form_one_swarm() {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
-    std::fs::write(&manifest, MANIFEST).unwrap();
+    std::fs::write(&manifest, synthetic_run("two-bootstraps-test")).unwrap();
     let now_ms = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
