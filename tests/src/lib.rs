@@ -210,6 +210,39 @@ pub fn join_command(bootstrap: &str, home: &Path, data: &Path, extra: &[&str]) -
     command
 }
 
+/// `gasloc-node join --synthetic` on loopback (QUIC and TCP) with its home (identity and
+/// `rounds.jsonl` report) in `home`: 5 synthetic inner steps of 20 ms per round, a payload of
+/// `payload_bytes` in 2 tensors, `rounds` rounds.
+pub fn synthetic_join_command(
+    bootstrap: &str,
+    home: &Path,
+    payload_bytes: u64,
+    rounds: u64,
+) -> Command {
+    let mut command = Command::new(built_binary("gasloc-node"));
+    command
+        .args(["join", "--bootstrap", bootstrap, "--synthetic"])
+        .args([
+            "--listen",
+            "/ip4/127.0.0.1/udp/0/quic-v1",
+            "--listen",
+            "/ip4/127.0.0.1/tcp/0",
+        ])
+        .args([
+            "--payload-bytes",
+            &payload_bytes.to_string(),
+            "--tensors",
+            "2",
+        ])
+        .args(["--inner-steps", "5", "--step-time-ms", "20"])
+        .args(["--rounds", &rounds.to_string()])
+        .arg("--home")
+        .arg(home)
+        .arg("--report")
+        .arg(home.join("rounds.jsonl"));
+    command
+}
+
 /// The round records a node wrote to its `--report` file (one JSON object per line).
 pub fn read_report(home: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(home.join("rounds.jsonl"))

@@ -1,10 +1,10 @@
 //! A real bootstrap process and six `gasloc-node join --synthetic` processes on loopback run
 //! ten rounds: every node agrees on each round's permutation and every pairing is mutual.
 
-use gasloc_tests::{built_binary, start_bootstrap, synthetic_run};
+use gasloc_tests::{start_bootstrap, synthetic_join_command, synthetic_run};
 use serde_json::Value;
 use std::collections::BTreeMap;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 #[test]
@@ -19,28 +19,9 @@ fn bootstrap_and_six_nodes_run_ten_rounds_with_mutual_pairings() {
     let n = 6;
     let mut nodes = Vec::new();
     for i in 0..n {
-        let report = dir.path().join(format!("node{i}.jsonl"));
-        let child = Command::new(built_binary("gasloc-node"))
-            .args(["join", "--bootstrap", &quic])
-            .args([
-                "--listen",
-                "/ip4/127.0.0.1/udp/0/quic-v1",
-                "--listen",
-                "/ip4/127.0.0.1/tcp/0",
-            ])
-            .args(["--synthetic", "--payload-bytes", "262144", "--tensors", "2"])
-            .args([
-                "--inner-steps",
-                "5",
-                "--step-time-ms",
-                "20",
-                "--rounds",
-                "10",
-            ])
-            .arg("--identity")
-            .arg(dir.path().join(format!("node{i}.key")))
-            .arg("--report")
-            .arg(&report)
+        let home = dir.path().join(format!("node{i}"));
+        let report = home.join("rounds.jsonl");
+        let child = synthetic_join_command(&quic, &home, 262144, 10)
             .stdout(Stdio::null())
             .spawn()
             .expect("gasloc-node starts");

@@ -4,9 +4,8 @@
 //! on the same members and permutation, and every pairing is mutual and exchanged.
 
 use gasloc_tests::{
-    bootstrap_command, built_binary, read_report, spawn_bootstrap, synthetic_run, Proc,
+    bootstrap_command, read_report, spawn_bootstrap, synthetic_join_command, synthetic_run, Proc,
 };
-use std::process::Command;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 #[test]
@@ -43,23 +42,7 @@ fn nodes_of_two_bootstraps_form_one_swarm() {
         .map(|i| {
             let home = dir.join(format!("node{i}"));
             let boot = if i < 2 { &addr_a } else { &addr_b };
-            let mut command = Command::new(built_binary("gasloc-node"));
-            command
-                .args(["join", "--bootstrap", boot, "--synthetic"])
-                .args(["--listen", "/ip4/127.0.0.1/udp/0/quic-v1"])
-                .args(["--payload-bytes", "65536", "--tensors", "2"])
-                .args([
-                    "--inner-steps",
-                    "5",
-                    "--step-time-ms",
-                    "20",
-                    "--rounds",
-                    "6",
-                ])
-                .arg("--home")
-                .arg(&home)
-                .arg("--report")
-                .arg(home.join("rounds.jsonl"));
+            let command = synthetic_join_command(boot, &home, 65536, 6);
             std::fs::create_dir_all(&home).unwrap();
             (Proc::spawn(&format!("node{i}"), dir, command), home)
         })
