@@ -114,7 +114,7 @@ async fn gasloc_exchange(
         .exchange_round(1, &[peer], payload, Some(table), Duration::from_secs(1800))
         .await;
     let (_, result) = results.into_iter().next().context("one neighbour")?;
-    Ok(result?.byte_length())
+    Ok(result?.tensors.byte_length())
 }
 
 fn report(

@@ -11,18 +11,22 @@
 //! The inner steps get a deadline: the round's end minus the predicted exchange time `C_i`
 //! and the outer step's measured time, so a node on a slow link does fewer inner steps
 //! instead of missing rounds (`ALGORITHMS.md` §2). `C_i` is this round's payload bytes times
-//! the measured seconds per byte of past exchanges (moving averages per peer and overall):
-//! at the round's start with the overall average, and again, moving the deadline, once the
-//! round's neighbours are known, with theirs — the slower of what this node measured on its
-//! link to each and the goodput the neighbour announced (every node publishes an `Announce`
-//! with its measured goodput, capped by `--max-upload-rate`, beside its commit), so that the
-//! partner of a slow node stops training early enough even when they never met.
+//! the measured seconds per byte of past swaps. A swap is timed from the moment both sides
+//! were ready to its end (no wait for a partner still training counts), per peer as a
+//! moving average, and for the node's own link as the fastest swap of the last rounds (a
+//! swap is no faster than either side's link, so a slow partner does not make this node
+//! look slow). `C_i` is predicted at the round's start from the node's own link, and again,
+//! moving the deadline, once the round's neighbours are known — the slowest of its own
+//! link, what it measured with each neighbour and the goodput each neighbour announced
+//! (every node publishes an `Announce` with its own link's goodput, capped by
+//! `--max-upload-rate`, beside its commit), so that the partner of a slow node stops
+//! training early enough even when they never met.
 //!
 //! One [`RoundRecord`] per round says what this node saw and did; the node's `/status`
 //! document is kept current through a `watch` channel.
 
-use crate::exchange::{ExchangeError, OutgoingPayload, SendOptions};
-use crate::exchange_service::ExchangeService;
+use crate::exchange::{OutgoingPayload, SendOptions};
+use crate::exchange_service::{ExchangeResults, ExchangeService};
 use crate::network::{unix_ms, Client, NetworkEvent};
 use crate::schedule::{Action, RoundPlan, RoundSchedule, Timing};
 use crate::tensors::TensorSet;
@@ -34,7 +38,7 @@ use gasloc_status::{NodeState, NodeStatus};
 use libp2p::PeerId;
 use rand::RngCore;
 use serde::Serialize;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
@@ -75,6 +79,9 @@ pub struct RoundRecord {
     pub predicted_exchange_s: f64,
     /// Seconds from the start of the exchange until every neighbour's result was in.
     pub exchange_s: f64,
+    /// Seconds the slowest swap took from both sides being ready to its end: the link's
+    /// share of `exchange_s` (what `predicted_exchange_s` predicts).
+    pub transfer_s: f64,
     /// Seconds from "payload ready" until every neighbour's result was in (agreement and
     /// neighbours included).
     pub wait_s: f64,
@@ -94,8 +101,6 @@ pub struct RoundRecord {
     pub control_messages: u64,
 }
 
-type ExchangeResults = Vec<(PeerId, Result<TensorSet, ExchangeError>)>;
-
 async fn join_opt<T>(handle: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
     match handle {
         Some(h) => h.await,
@@ -108,6 +113,25 @@ async fn work_opt<T>(future: &mut Option<WorkFuture<T>>) -> anyhow::Result<T> {
         Some(f) => f.await,
         None => std::future::pending().await,
     }
+}
+
+/// The work's future with its tensors made ready to send (`take` moves them out of the
+/// output). A payload's checksums take a while for a large model (blake3 over every
+/// byte), so they are computed on a blocking thread, not on the runtime's workers.
+fn ready_to_send<T: Send + 'static>(
+    work: WorkFuture<T>,
+    kind: PayloadKind,
+    options: SendOptions,
+    take: fn(&mut T) -> TensorSet,
+) -> WorkFuture<(Arc<OutgoingPayload>, T)> {
+    Box::pin(async move {
+        let mut output = work.await?;
+        let set = take(&mut output);
+        let payload =
+            tokio::task::spawn_blocking(move || OutgoingPayload::new(kind, Arc::new(set), options))
+                .await?;
+        Ok((Arc::new(payload), output))
+    })
 }
 
 /// Drives rounds until `options.rounds` have finished or `stop` is cancelled.
@@ -143,12 +167,15 @@ struct Active {
     control_messages: u64,
 }
 
-/// Moving averages of what the node measured, for the next rounds' deadlines.
+/// What the node measured, for the next rounds' deadlines. Link times are seconds per
+/// payload byte, over all the bytes the node swapped at once (a two-peer round sends its
+/// payload twice over the same link).
 #[derive(Debug, Default)]
 struct Measurements {
-    /// Seconds per payload byte per neighbour of past exchanges: overall, and per peer.
-    exchange_s_per_byte: Option<f64>,
+    /// Per peer: moving average of the swaps with it.
     peer_s_per_byte: HashMap<PeerId, f64>,
+    /// The fastest swap of each of the last [`Self::RECENT_ROUNDS`] rounds with one.
+    recent_fastest: VecDeque<f64>,
     /// The goodput each peer announced last, bytes per second.
     announced: HashMap<PeerId, u64>,
     /// Seconds of the outer step.
@@ -156,19 +183,35 @@ struct Measurements {
 }
 
 impl Measurements {
-    fn record_exchange(&mut self, took: Duration, bytes: u64, results: &ExchangeResults) {
-        if results.is_empty() || bytes == 0 {
+    const RECENT_ROUNDS: usize = 8;
+
+    fn record_exchange(&mut self, payload_bytes: u64, results: &ExchangeResults) {
+        if results.is_empty() || payload_bytes == 0 {
             return;
         }
-        let per_byte = took.as_secs_f64() / (bytes as f64 * results.len() as f64);
-        self.exchange_s_per_byte = Some(moving_average(self.exchange_s_per_byte, per_byte));
+        let bytes = payload_bytes as f64 * results.len() as f64;
+        let mut fastest: Option<f64> = None;
         for (peer, result) in results {
-            if result.is_ok() {
+            if let Ok(swapped) = result {
+                let per_byte = swapped.transfer.as_secs_f64() / bytes;
                 let old = self.peer_s_per_byte.get(peer).copied();
                 self.peer_s_per_byte
-                    .insert(*peer, moving_average(old.or(Some(per_byte)), per_byte));
+                    .insert(*peer, moving_average(old, per_byte));
+                fastest = Some(fastest.map_or(per_byte, |f| f.min(per_byte)));
             }
         }
+        if let Some(fastest) = fastest {
+            self.recent_fastest.push_back(fastest);
+            if self.recent_fastest.len() > Self::RECENT_ROUNDS {
+                self.recent_fastest.pop_front();
+            }
+        }
+    }
+
+    /// This node's own link: the fastest recent swap (a swap is no faster than either
+    /// side's link, so the best recent one bounds this node's own).
+    fn own_s_per_byte(&self) -> Option<f64> {
+        self.recent_fastest.iter().copied().reduce(f64::min)
     }
 }
 
@@ -193,8 +236,8 @@ impl RoundDriver {
         let payload_bytes: u64 = table.iter().filter_map(|t| t.byte_length()).sum();
         let mut next_round = timing.next_joinable_round(unix_ms());
         let mut active: Option<Active> = None;
-        let mut training: Option<WorkFuture<Trained>> = None;
-        let mut finishing: Option<WorkFuture<Finished>> = None;
+        let mut training: Option<WorkFuture<(Arc<OutgoingPayload>, Trained)>> = None;
+        let mut finishing: Option<WorkFuture<(Arc<OutgoingPayload>, Finished)>> = None;
         let mut exchange: Option<JoinHandle<ExchangeResults>> = None;
         let mut measured = Measurements::default();
         let mut records = Vec::new();
@@ -232,14 +275,8 @@ impl RoundDriver {
                 done = work_opt(&mut training) => {
                     training = None;
                     match done {
-                        Ok(mut trained) => {
+                        Ok((payload, trained)) => {
                             if let Some(a) = active.as_mut() {
-                                // The payload moves into the outgoing message (no copy).
-                                let payload = Arc::new(OutgoingPayload::new(
-                                    PayloadKind::Model,
-                                    Arc::new(std::mem::take(&mut trained.payload)),
-                                    self.options.send.clone(),
-                                ));
                                 self.status.send_modify(|s| {
                                     s.inner_steps = trained.inner_steps;
                                     s.step_time_s = trained.step_time_s;
@@ -269,38 +306,36 @@ impl RoundDriver {
                         let now = Instant::now();
                         let took = a.exchange_started.map_or(Duration::ZERO, |t| now - t);
                         let waited = a.ready_at.map_or(Duration::ZERO, |t| now - t);
-                        measured.record_exchange(took, payload_bytes, &results);
+                        measured.record_exchange(payload_bytes, &results);
                         let received = Received {
                             round: a.round,
                             neighbours: a.plan.as_ref().map(|p| p.neighbours.clone()).unwrap_or_default(),
                             payloads: results
                                 .iter()
-                                .filter_map(|(p, r)| r.as_ref().ok().map(|s| (*p, s.clone())))
+                                .filter_map(|(p, r)| r.as_ref().ok().map(|s| (*p, s.tensors.clone())))
                                 .collect(),
                         };
                         a.exchanged = Some((results, took, waited));
                         a.finish_started = Some(Instant::now());
-                        finishing = Some(self.work.finish(received));
+                        finishing = Some(ready_to_send(
+                            self.work.finish(received),
+                            PayloadKind::State,
+                            self.options.send.clone(),
+                            |f| std::mem::take(&mut f.state),
+                        ));
                     }
                 }
                 done = work_opt(&mut finishing) => {
                     finishing = None;
-                    let finished = match done {
-                        Ok(f) => f,
+                    let (state, finished) = match done {
+                        Ok(done) => done,
                         Err(e) => {
                             outcome = Err(e.context("the outer step failed"));
                             break;
                         }
                     };
                     if let Some(a) = active.take() {
-                        self.service.set_state(
-                            a.round + 1,
-                            Arc::new(OutgoingPayload::new(
-                                PayloadKind::State,
-                                Arc::new(finished.state),
-                                self.options.send.clone(),
-                            )),
-                        );
+                        self.service.set_state(a.round + 1, state);
                         let record = make_record(&me, a, &timing, finished.val_loss, payload_bytes);
                         measured.finish_s = Some(moving_average(measured.finish_s, record.finish_s));
                         self.publish_record(&record);
@@ -349,10 +384,16 @@ impl RoundDriver {
                             let deadline = TrainDeadline::new(
                                 self.train_deadline(&timing, round, predicted, &measured),
                             );
-                            training = Some(self.work.train(TrainOrder {
-                                round,
-                                deadline: deadline.clone(),
-                            }));
+                            // The payload moves into the outgoing message (no copy).
+                            training = Some(ready_to_send(
+                                self.work.train(TrainOrder {
+                                    round,
+                                    deadline: deadline.clone(),
+                                }),
+                                PayloadKind::Model,
+                                self.options.send.clone(),
+                                |t| std::mem::take(&mut t.payload),
+                            ));
                             self.status.send_modify(|s| {
                                 s.round = round;
                                 s.state = NodeState::Training;
@@ -460,9 +501,10 @@ impl RoundDriver {
         Ok(records)
     }
 
-    /// `C_i`: this round's payload bytes times the measured seconds per byte — of the
-    /// slowest of `neighbours` where known, else overall; before any exchange was
-    /// measured, the upload cap's time (if any).
+    /// `C_i`: this round's payload bytes times the seconds per byte of the slowest link
+    /// involved — this node's own and, once `neighbours` are known, what it measured with
+    /// each and what each announced; before any swap was measured, the upload cap's (if
+    /// any).
     fn predicted_exchange(
         &self,
         measured: &Measurements,
@@ -476,36 +518,32 @@ impl RoundDriver {
             (None, _) => 1.0,
         };
         let bytes = payload_bytes as f64 * count;
-        let overall = match (
-            measured.exchange_s_per_byte,
-            &self.options.send.upload_limit,
-        ) {
-            (Some(per_byte), _) => Some(per_byte),
-            (None, Some(limit)) => Some(1.0 / limit.bytes_per_s() as f64),
-            (None, None) => None,
-        };
+        let own = measured.own_s_per_byte().or_else(|| {
+            let limit = self.options.send.upload_limit.as_ref()?;
+            Some(1.0 / limit.bytes_per_s() as f64)
+        });
         let per_byte = match neighbours {
             Some(n) if !n.is_empty() => n
                 .iter()
                 .filter_map(|p| {
-                    let seen = measured.peer_s_per_byte.get(p).copied().or(overall);
+                    let seen = measured.peer_s_per_byte.get(p).copied();
                     let announced = measured.announced.get(p).map(|&g| 1.0 / g as f64);
-                    match (seen, announced) {
-                        (Some(a), Some(b)) => Some(a.max(b)),
-                        (a, b) => a.or(b),
-                    }
+                    [own, seen, announced]
+                        .into_iter()
+                        .flatten()
+                        .reduce(f64::max)
                 })
                 .reduce(f64::max),
-            _ => overall,
+            _ => own,
         };
         let seconds = per_byte.map_or(0.0, |s| s * bytes);
         Duration::from_secs_f64(seconds.min(timing.exchange_timeout_ms as f64 / 1000.0))
     }
 
-    /// The goodput this node announces: what its exchanges achieved (bytes per neighbour
-    /// over their duration), at most its upload cap; 0 when unknown.
+    /// The goodput this node announces: its own link's (the fastest recent swap), at most
+    /// its upload cap; 0 when unknown.
     fn own_goodput(&self, measured: &Measurements) -> u64 {
-        let seen = measured.exchange_s_per_byte.map(|s| 1.0 / s.max(1e-12));
+        let seen = measured.own_s_per_byte().map(|s| 1.0 / s.max(1e-12));
         let cap = self
             .options
             .send
@@ -545,7 +583,7 @@ impl RoundDriver {
             .iter()
             .map(|p| {
                 let per_peer = record.bytes_received as f64 / record.exchanged.len() as f64;
-                (p.clone(), per_peer / record.exchange_s.max(1e-6))
+                (p.clone(), per_peer / record.transfer_s.max(1e-6))
             })
             .collect();
         self.status.send_modify(|s| {
@@ -633,11 +671,13 @@ fn make_record(
     let mut exchanged = Vec::new();
     let mut failed = Vec::new();
     let mut bytes_received = 0;
+    let mut transfer = Duration::ZERO;
     let (results, exchange, wait) = a.exchanged.unwrap_or_default();
     for (peer, result) in results {
         match result {
-            Ok(set) => {
-                bytes_received += set.byte_length();
+            Ok(swapped) => {
+                bytes_received += swapped.tensors.byte_length();
+                transfer = transfer.max(swapped.transfer);
                 exchanged.push(peer.to_string());
             }
             Err(e) => failed.push((peer.to_string(), e.to_string())),
@@ -660,6 +700,7 @@ fn make_record(
         budget_s: a.deadline.unix_ms().saturating_sub(round_start) as f64 / 1000.0,
         predicted_exchange_s: a.predicted_exchange.as_secs_f64(),
         exchange_s: exchange.as_secs_f64(),
+        transfer_s: transfer.as_secs_f64(),
         wait_s: wait.as_secs_f64(),
         finish_s: a.finish_started.map_or(0.0, |t| t.elapsed().as_secs_f64()),
         round_s: a.started.elapsed().as_secs_f64(),
@@ -672,5 +713,67 @@ fn make_record(
                 .saturating_sub(timing.commit_deadline(a.round))
         }),
         control_messages: a.control_messages,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exchange::ExchangeError;
+    use crate::exchange_service::Swapped;
+
+    fn swap(peer: PeerId, seconds: f64) -> (PeerId, Result<Swapped, ExchangeError>) {
+        let swapped = Swapped {
+            tensors: TensorSet::default(),
+            transfer: Duration::from_secs_f64(seconds),
+        };
+        (peer, Ok(swapped))
+    }
+
+    #[test]
+    fn a_slow_partner_does_not_make_the_own_link_look_slow() {
+        let (fast, slow) = (PeerId::random(), PeerId::random());
+        let mut m = Measurements::default();
+        m.record_exchange(1000, &vec![swap(fast, 0.01)]);
+        m.record_exchange(1000, &vec![swap(slow, 2.0)]);
+        // Its own link is the fastest recent swap; the slow peer is remembered as slow.
+        assert_eq!(m.own_s_per_byte(), Some(0.01 / 1000.0));
+        assert_eq!(m.peer_s_per_byte[&slow], 2.0 / 1000.0);
+        assert_eq!(m.peer_s_per_byte[&fast], 0.01 / 1000.0);
+        // Per peer, a moving average.
+        m.record_exchange(1000, &vec![swap(slow, 1.0)]);
+        assert_eq!(m.peer_s_per_byte[&slow], 1.5 / 1000.0);
+    }
+
+    #[test]
+    fn own_link_follows_the_last_rounds_and_counts_every_neighbour_of_a_round() {
+        let (a, b) = (PeerId::random(), PeerId::random());
+        let mut m = Measurements::default();
+        m.record_exchange(1000, &vec![swap(a, 0.01)]);
+        // The link got slower: after RECENT_ROUNDS rounds the old fast swap is forgotten.
+        for _ in 0..Measurements::RECENT_ROUNDS {
+            m.record_exchange(1000, &vec![swap(a, 1.0)]);
+        }
+        assert_eq!(m.own_s_per_byte(), Some(1.0 / 1000.0));
+        // Two neighbours at once share the link: 2000 bytes moved in 1 s.
+        m.record_exchange(
+            1000,
+            &vec![
+                swap(a, 1.0),
+                (b, Err(ExchangeError::Deadline(Duration::from_secs(1)))),
+            ],
+        );
+        assert_eq!(m.own_s_per_byte(), Some(1.0 / 2000.0));
+        assert!(
+            !m.peer_s_per_byte.contains_key(&b),
+            "a failed swap measures nothing"
+        );
+        // A round without any completed swap changes nothing.
+        let before = m.recent_fastest.clone();
+        m.record_exchange(
+            1000,
+            &vec![(b, Err(ExchangeError::Deadline(Duration::ZERO)))],
+        );
+        assert_eq!(m.recent_fastest, before);
     }
 }

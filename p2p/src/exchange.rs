@@ -531,10 +531,10 @@ pub async fn refuse<W: AsyncWrite + Unpin>(w: &mut W, refusal: &Refusal) -> std:
 /// Sends our payload and receives theirs at the same time on one stream. A receive error
 /// ends the exchange at once; a send error is reported after the receive side has had its
 /// chance to explain it (a refusal frame is a better reason than a broken pipe).
-pub async fn send_and_receive<S, R>(send: S, receive: R) -> Result<TensorSet, ExchangeError>
+pub async fn send_and_receive<S, R, T>(send: S, receive: R) -> Result<T, ExchangeError>
 where
     S: std::future::Future<Output = Result<(), ExchangeError>>,
-    R: std::future::Future<Output = Result<TensorSet, ExchangeError>>,
+    R: std::future::Future<Output = Result<T, ExchangeError>>,
 {
     let send = send.fuse();
     let receive = receive.fuse();
@@ -556,19 +556,21 @@ where
 }
 
 /// The opening side of `/gasloc/exchange/1`: writes its header and payload while reading
-/// the responder's.
+/// the responder's. Returns the responder's tensors and when its header arrived (the
+/// responder sends it once its own payload is ready).
 pub async fn run_initiator<S: AsyncRead + AsyncWrite + Unpin>(
     stream: S,
     my_header: &ExchangeHeader,
     payload: &OutgoingPayload,
     expect: &Expectation,
     limits: &ExchangeLimits,
-) -> Result<TensorSet, ExchangeError> {
+) -> Result<(TensorSet, tokio::time::Instant), ExchangeError> {
     let (mut r, mut w) = stream.split();
     let send = send_and_close(&mut w, my_header, payload);
     let receive = async {
         let header = read_checked_header(&mut r, expect, limits).await?;
-        receive_tensors(&mut r, &header).await
+        let header_at = tokio::time::Instant::now();
+        Ok((receive_tensors(&mut r, &header).await?, header_at))
     };
     send_and_receive(send, receive).await
 }

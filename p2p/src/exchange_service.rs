@@ -61,12 +61,28 @@ pub struct InboundReport {
     pub outcome: Result<u64, String>,
 }
 
+/// A neighbour's payload, verified, and how long the link took to swap it.
+#[derive(Debug)]
+pub struct Swapped {
+    pub tensors: TensorSet,
+    /// From the moment both sides were ready (the later of this node starting the round's
+    /// exchange and the neighbour's header arriving: each side sends its header once its
+    /// payload is ready) until both directions were done. Unlike the exchange's whole
+    /// duration it holds no wait for a neighbour still training, so it measures the link.
+    pub transfer: Duration,
+}
+
+/// What `exchange_round` returns: per neighbour, its payload or the reason there is none.
+pub type ExchangeResults = Vec<(PeerId, Result<Swapped, ExchangeError>)>;
+
 struct RoundSlot {
     neighbours: HashSet<PeerId>,
     payload: Arc<OutgoingPayload>,
     table: Option<Arc<Vec<TensorSpec>>>,
+    /// When this node registered the round (its payload was ready).
+    started: Instant,
     deadline: Instant,
-    waiting: HashMap<PeerId, oneshot::Sender<Result<TensorSet, ExchangeError>>>,
+    waiting: HashMap<PeerId, oneshot::Sender<Result<Swapped, ExchangeError>>>,
 }
 
 #[derive(Default)]
@@ -178,8 +194,9 @@ impl ExchangeService {
         payload: Arc<OutgoingPayload>,
         table: Option<Arc<Vec<TensorSpec>>>,
         timeout: Duration,
-    ) -> Vec<(PeerId, Result<TensorSet, ExchangeError>)> {
-        let deadline = Instant::now() + timeout;
+    ) -> ExchangeResults {
+        let started = Instant::now();
+        let deadline = started + timeout;
         let me_bytes = self.inner.me.to_bytes();
         let mut receivers = HashMap::new();
         {
@@ -200,6 +217,7 @@ impl ExchangeService {
                     neighbours: neighbours.iter().copied().collect(),
                     payload: payload.clone(),
                     table: table.clone(),
+                    started,
                     deadline,
                     waiting,
                 },
@@ -248,7 +266,7 @@ impl ExchangeService {
         round: u64,
         payload: &OutgoingPayload,
         table: Option<Arc<Vec<TensorSpec>>>,
-    ) -> Result<TensorSet, ExchangeError> {
+    ) -> Result<Swapped, ExchangeError> {
         let cfg = &self.inner.config;
         let header = payload.header(&cfg.run_id, round, &self.inner.me);
         let expect = Expectation {
@@ -272,7 +290,15 @@ impl ExchangeService {
                     tokio::time::sleep(delay).await;
                     delay = (delay * 2).min(Duration::from_millis(800));
                 }
-                other => return other,
+                // The responder's header came once both sides were ready (this node
+                // opened the stream when its payload was).
+                Ok((tensors, header_at)) => {
+                    return Ok(Swapped {
+                        tensors,
+                        transfer: header_at.elapsed(),
+                    })
+                }
+                Err(e) => return Err(e),
             }
         }
     }
@@ -356,20 +382,18 @@ async fn accept_loop(
     }
 }
 
+/// An inbound stream's place in a registered round: where its result goes and what to
+/// answer with.
+struct ClaimedSlot {
+    reply: oneshot::Sender<Result<Swapped, ExchangeError>>,
+    payload: Arc<OutgoingPayload>,
+    table: Option<Arc<Vec<TensorSpec>>>,
+    started: Instant,
+    deadline: Instant,
+}
+
 /// Finds (or waits for) the round slot for an inbound stream and takes its reply channel.
-async fn claim_slot(
-    inner: &Inner,
-    peer: PeerId,
-    round: u64,
-) -> Result<
-    (
-        oneshot::Sender<Result<TensorSet, ExchangeError>>,
-        Arc<OutgoingPayload>,
-        Option<Arc<Vec<TensorSpec>>>,
-        Instant,
-    ),
-    ExchangeError,
-> {
+async fn claim_slot(inner: &Inner, peer: PeerId, round: u64) -> Result<ClaimedSlot, ExchangeError> {
     let give_up = Instant::now() + inner.config.accept_wait;
     loop {
         let notified = inner.changed.notified();
@@ -386,7 +410,13 @@ async fn claim_slot(
                     return Err(ExchangeError::NotANeighbour { peer, round });
                 }
                 return match slot.waiting.remove(&peer) {
-                    Some(tx) => Ok((tx, slot.payload.clone(), slot.table.clone(), slot.deadline)),
+                    Some(reply) => Ok(ClaimedSlot {
+                        reply,
+                        payload: slot.payload.clone(),
+                        table: slot.table.clone(),
+                        started: slot.started,
+                        deadline: slot.deadline,
+                    }),
                     None => Err(ExchangeError::Malformed {
                         what: "stream",
                         detail: format!("a second stream, or a stream this node should have opened, for round {round}"),
@@ -422,6 +452,7 @@ async fn handle_exchange(inner: &Inner, peer: PeerId, mut stream: Stream) -> Inb
         outcome: Err(String::new()),
     };
     let first = read_first_frame_in_time(&mut stream, cfg).await;
+    let header_at = Instant::now();
     let header = match first {
         Ok(FirstFrame::Header(h)) => h,
         Ok(_) => {
@@ -436,7 +467,13 @@ async fn handle_exchange(inner: &Inner, peer: PeerId, mut stream: Stream) -> Inb
         };
         return refuse_and_report(stream, report, e).await;
     }
-    let (reply, payload, table, deadline) = match claim_slot(inner, peer, header.round).await {
+    let ClaimedSlot {
+        reply,
+        payload,
+        table,
+        started,
+        deadline,
+    } = match claim_slot(inner, peer, header.round).await {
         Ok(slot) => slot,
         Err(e) => return refuse_and_report(stream, report, e).await,
     };
@@ -468,6 +505,11 @@ async fn handle_exchange(inner: &Inner, peer: PeerId, mut stream: Stream) -> Inb
         Ok(set) => Ok(set.byte_length()),
         Err(e) => Err(e.to_string()),
     };
+    let both_ready = header_at.max(started);
+    let result = result.map(|tensors| Swapped {
+        tensors,
+        transfer: both_ready.elapsed(),
+    });
     let _ = reply.send(result);
     report
 }

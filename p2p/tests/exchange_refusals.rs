@@ -8,7 +8,9 @@ use futures::AsyncWriteExt;
 use gasloc_p2p::exchange::{
     read_first_frame, ExchangeError, ExchangeLimits, FirstFrame, OutgoingPayload, SendOptions,
 };
-use gasloc_p2p::exchange_service::{ExchangeService, InboundReport, EXCHANGE_PROTOCOL};
+use gasloc_p2p::exchange_service::{
+    ExchangeResults, ExchangeService, InboundReport, EXCHANGE_PROTOCOL,
+};
 use gasloc_p2p::frames::{write_frame, FRAME_CHUNK, FRAME_HEADER};
 use gasloc_p2p::network::Network;
 use gasloc_p2p::tensors::TensorSet;
@@ -56,7 +58,7 @@ async fn victim_round(
     s: &Setup,
     round: u64,
     neighbours: Vec<PeerId>,
-) -> tokio::task::JoinHandle<Vec<(PeerId, Result<TensorSet, ExchangeError>)>> {
+) -> tokio::task::JoinHandle<ExchangeResults> {
     let service = s.service.clone();
     let payload = s.payload.clone();
     let table = Arc::new(payload.set.specs());
@@ -127,9 +129,7 @@ fn assert_refused(reply: Option<FirstFrame>, reason: RefusalReason) {
 }
 
 /// The victim's round produced no tensors for anyone.
-async fn assert_untouched(
-    task: tokio::task::JoinHandle<Vec<(PeerId, Result<TensorSet, ExchangeError>)>>,
-) {
+async fn assert_untouched(task: tokio::task::JoinHandle<ExchangeResults>) {
     for (peer, result) in task.await.unwrap() {
         assert!(result.is_err(), "victim accepted tensors from {peer}");
     }

@@ -51,8 +51,8 @@ async fn exchange_pair(
     let (peer, got_a) = rb.into_iter().next().unwrap();
     assert_eq!(peer, pa);
     let got_a = got_a.expect("b receives a's payload");
-    assert!(got_a == *set_a, "a's tensors arrive byte for byte");
-    assert!(got_b == *set_b, "b's tensors arrive byte for byte");
+    assert!(got_a.tensors == *set_a, "a's tensors arrive byte for byte");
+    assert!(got_b.tensors == *set_b, "b's tensors arrive byte for byte");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -89,8 +89,11 @@ async fn a_stream_that_arrives_before_the_responder_reaches_the_round_waits_for_
     let early = {
         let (sa, pay) = (sa.clone(), pay.clone());
         tokio::spawn(async move {
-            sa.exchange_round(1000, &[pb], pay, None, Duration::from_secs(20))
-                .await
+            let started = tokio::time::Instant::now();
+            let results = sa
+                .exchange_round(1000, &[pb], pay, None, Duration::from_secs(20))
+                .await;
+            (results, started.elapsed())
         })
     };
     let mut reports = sb.reports();
@@ -103,5 +106,13 @@ async fn a_stream_that_arrives_before_the_responder_reaches_the_round_waits_for_
         .exchange_round(1000, &[pa], pay.clone(), None, Duration::from_secs(20))
         .await;
     assert!(late[0].1.is_ok(), "{:?}", late[0].1);
-    assert!(early.await.unwrap()[0].1.is_ok());
+    let (early, whole) = early.await.unwrap();
+    let swapped = early[0].1.as_ref().expect("a's early exchange completes");
+    // The swap's transfer time starts once both sides were ready: b registered the round
+    // 300 ms or more after a did, so a's wait for it is not counted as link time.
+    assert!(
+        swapped.transfer + Duration::from_millis(300) <= whole,
+        "transfer {:?} of an exchange that took {whole:?} includes the wait for b",
+        swapped.transfer
+    );
 }

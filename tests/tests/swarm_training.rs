@@ -271,10 +271,22 @@ fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
         .flat_map(|&i| fast_rounds(&reports[i]))
         .collect();
     println!(
-        "node2: budget {budget:.2} s, {:.0} inner steps per round; unlimited nodes with fast partners: budget {:.2} s, {:.0} inner steps",
+        "node2: budget {budget:.2} s, {:.0} inner steps per round, predicted exchange {:.2} s; unlimited nodes with fast partners: budget {:.2} s, {:.0} inner steps, predicted exchange {:.3} s",
         mean_of(&slow, "inner_steps"),
+        mean_of(&slow, "predicted_exchange_s"),
         mean_of(&unlimited, "budget_s"),
         mean_of(&unlimited, "inner_steps"),
+        mean_of(&unlimited, "predicted_exchange_s"),
+    );
+    // Meeting the slow node does not make the others predict slow exchanges with fast
+    // partners: a swap is timed from both sides ready, and a node's own link is its fastest
+    // recent swap (compared with node 2's prediction in the same run, not with a time).
+    assert!(
+        !unlimited.is_empty()
+            && mean_of(&unlimited, "predicted_exchange_s") < 0.5 * mean(&predicted),
+        "unlimited nodes predict {:.3} s with fast partners, node 2 {:.3} s",
+        mean_of(&unlimited, "predicted_exchange_s"),
+        mean(&predicted)
     );
     // Against one node alone for as many inner steps as a swarm node took on average.
     let steps_per_node = mean(
