@@ -301,19 +301,11 @@ impl RoundTrainer {
         }
     }
 
-    fn spec(&self, name: String, shape: &[i64], dtype: DType) -> TensorSpec {
-        TensorSpec {
-            name,
-            dtype,
-            shape: shape.iter().map(|&d| d as u64).collect(),
-        }
-    }
-
     fn payload_table(&self) -> Vec<TensorSpec> {
         self.names
             .iter()
             .zip(&self.shapes)
-            .map(|(n, s)| self.spec(n.clone(), s, self.payload_dtype))
+            .map(|(n, s)| tensor_spec(n.clone(), s, self.payload_dtype))
             .collect()
     }
 
@@ -324,7 +316,7 @@ impl RoundTrainer {
                 self.names
                     .iter()
                     .zip(&self.shapes)
-                    .map(move |(n, s)| self.spec(format!("{prefix}.{n}"), s, DType::F32))
+                    .map(move |(n, s)| tensor_spec(format!("{prefix}.{n}"), s, DType::F32))
             })
             .collect()
     }
@@ -549,4 +541,13 @@ fn from_wire(t: &WireTensor, shape: &[i64], device: Device) -> Result<Tensor> {
     Ok(Tensor::f_from_data_size(&t.data, shape, kind)?
         .to_kind(Kind::Float)
         .to_device(device))
+}
+
+/// The wire description of one libtorch tensor of `shape`.
+fn tensor_spec(name: String, shape: &[i64], dtype: DType) -> TensorSpec {
+    TensorSpec {
+        name,
+        dtype,
+        shape: shape.iter().map(|&d| d as u64).collect(),
+    }
 }
