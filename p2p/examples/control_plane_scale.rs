@@ -34,11 +34,16 @@ fn percentile(values: &mut [u64], p: f64) -> u64 {
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     let args: Vec<String> = std::env::args().collect();
     let nodes = arg(&args, "--nodes", 32)? as usize;
     let rounds = arg(&args, "--rounds", 10)?;
     let period = arg(&args, "--period-ms", 3000)?;
-    let window = arg(&args, "--window-ms", 800)?;
+    let commit_window = arg(&args, "--commit-window-ms", 2000)?;
+    let reveal_window = arg(&args, "--reveal-window-ms", 800)?;
     let swarm = LocalSwarm {
         nodes,
         rounds,
@@ -46,9 +51,9 @@ async fn main() -> Result<()> {
         timing: Timing {
             genesis_ms: 0,
             period_ms: period,
-            commit_window_ms: window,
-            reveal_window_ms: window,
-            exchange_timeout_ms: period - 2 * window - 200,
+            commit_window_ms: commit_window,
+            reveal_window_ms: reveal_window,
+            exchange_timeout_ms: period - reveal_window - 200,
             topology: Topology::OnePeer,
         },
         trainer: SyntheticTrainer::new(
@@ -70,7 +75,7 @@ async fn main() -> Result<()> {
     let ideal = 3 * (nodes as u64 - 1);
     let (mut agreed, mut total_messages, mut total_reports) = (0, 0u64, 0u64);
     let (mut commit_lat, mut reveal_lat) = (Vec::new(), Vec::new());
-    println!("nodes={nodes} rounds={rounds} period_ms={period} commit_window_ms={window} reveal_window_ms={window}");
+    println!("nodes={nodes} rounds={rounds} period_ms={period} commit_window_ms={commit_window} reveal_window_ms={reveal_window}");
     for (round, records) in &by_round {
         let all_agree = records.len() == nodes
             && records
@@ -93,12 +98,16 @@ async fn main() -> Result<()> {
         total_messages += messages;
         total_reports += records.len() as u64;
         println!(
-            "round={round} reporting={} agreed={all_agree} last_commit_after_ms={worst_commit} last_reveal_after_ms={worst_reveal} messages_per_node={:.1} exchanged_ok={}/{}",
+            "round={round} reporting={} agreed={all_agree} connected_peers_min={} last_commit_after_ms={worst_commit} last_reveal_after_ms={worst_reveal} messages_per_node={:.1} exchanged_ok={}/{}",
             records.len(),
+            records.iter().map(|r| r.connected_peers).min().unwrap_or(0),
             messages as f64 / records.len() as f64,
             records.iter().map(|r| r.exchanged.len()).sum::<usize>(),
             records.iter().map(|r| r.neighbours.len()).sum::<usize>(),
         );
+        if !all_agree {
+            describe_disagreement(records, nodes);
+        }
     }
     let per_node = total_messages as f64 / total_reports.max(1) as f64;
     println!(
@@ -111,4 +120,34 @@ async fn main() -> Result<()> {
         per_node / ideal as f64,
     );
     Ok(())
+}
+
+/// For a round without agreement: the views the nodes decided on (how many nodes saw how
+/// many members) and which members some nodes lacked.
+fn describe_disagreement(records: &[&RoundRecord], nodes: usize) {
+    let mut views: BTreeMap<usize, usize> = BTreeMap::new();
+    let mut seen_by: BTreeMap<&str, usize> = BTreeMap::new();
+    for r in records {
+        *views.entry(r.members.len()).or_default() += 1;
+        for m in &r.members {
+            *seen_by.entry(m.as_str()).or_default() += 1;
+        }
+    }
+    let fewest = records
+        .iter()
+        .min_by_key(|r| r.members.len())
+        .expect("records");
+    println!(
+        "  the node with the fewest members ({}) is connected to {} peers",
+        fewest.members.len(),
+        fewest.connected_peers
+    );
+    let partial: Vec<String> = seen_by
+        .iter()
+        .filter(|(_, &n)| n < records.len())
+        .map(|(m, n)| format!("{}…:{n}", &m[m.len() - 6..]))
+        .collect();
+    println!(
+        "  views (members: nodes) {views:?} of {nodes} nodes; members not seen by all reporting nodes (seen by): {partial:?}"
+    );
 }

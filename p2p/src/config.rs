@@ -41,8 +41,13 @@ pub struct NetworkConfig {
     /// New connections are refused above this fraction of system memory in use by the process.
     pub max_memory_fraction: f64,
     pub gossip_heartbeat: Duration,
-    /// Gossipsub `max_transmit_size` and the control plane's own size cap.
+    /// The control plane's cap on one message's data (checked by its validator).
     pub control_max_bytes: usize,
+    /// Gossipsub `max_transmit_size`: the cap on one RPC frame, which batches messages and
+    /// gossip (IHAVE / IWANT / IDONTWANT lists of message ids). A frame above it is
+    /// undecodable and its stream is dropped with every message in it, so it must be far
+    /// above `control_max_bytes` (a swarm of n nodes gossips about 3·n ids per round).
+    pub gossip_max_frame_bytes: usize,
     /// Control messages accepted per peer within `control_rate_window`.
     pub control_rate_burst: u32,
     pub control_rate_window: Duration,
@@ -72,6 +77,7 @@ impl NetworkConfig {
             max_memory_fraction: 0.95,
             gossip_heartbeat: Duration::from_millis(500),
             control_max_bytes: 4096,
+            gossip_max_frame_bytes: 1 << 20,
             control_rate_burst: 64,
             control_rate_window: Duration::from_secs(10),
             relay_max_circuits: 64,
@@ -97,9 +103,32 @@ impl NetworkConfig {
         if self.control_max_bytes < 128 {
             return Err("control message cap below 128 bytes".into());
         }
+        if self.gossip_max_frame_bytes < 16 * self.control_max_bytes {
+            return Err(format!(
+                "gossip frame cap {} bytes must be at least 16 control messages ({} bytes)",
+                self.gossip_max_frame_bytes,
+                16 * self.control_max_bytes
+            ));
+        }
         if self.listen.is_empty() {
             return Err("no listen address".into());
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_gossip_frame_cap_near_the_message_cap_is_refused() {
+        let mut c = NetworkConfig::new(Role::Node);
+        c.listen = vec!["/ip4/127.0.0.1/tcp/0".parse().unwrap()];
+        c.validate().unwrap();
+        // Frames batch gossip about every message: a cap of one message would drop streams.
+        c.gossip_max_frame_bytes = c.control_max_bytes;
+        let e = c.validate().unwrap_err();
+        assert!(e.contains("gossip frame cap 4096 bytes"), "{e}");
     }
 }

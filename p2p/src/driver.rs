@@ -93,12 +93,17 @@ pub struct RoundRecord {
     pub val_loss: Option<f64>,
     /// Milliseconds from the round start until the round was decided.
     pub decided_after_ms: u64,
-    /// Milliseconds from the round start to the last commit received from another peer.
+    /// Milliseconds from the opening of the round's commit window (when members publish
+    /// their commits, during the round before) to the last commit received from another
+    /// peer.
     pub last_commit_after_ms: u64,
-    /// Milliseconds from the commit deadline (when reveals are sent) to the last reveal.
+    /// Milliseconds from the round start (when members publish their reveals) to the last
+    /// reveal received.
     pub last_reveal_after_ms: u64,
-    /// Control messages this node received while the round was active.
+    /// Control messages about this round this node received (commits, announces, reveals).
     pub control_messages: u64,
+    /// Peers this node had a connection to when the round ended.
+    pub connected_peers: usize,
 }
 
 async fn join_opt<T>(handle: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
@@ -164,7 +169,6 @@ struct Active {
     /// Results, the exchange's duration and the wait, once the exchange is over.
     exchanged: Option<(ExchangeResults, Duration, Duration)>,
     finish_started: Option<Instant>,
-    control_messages: u64,
 }
 
 /// What the node measured, for the next rounds' deadlines. Link times are seconds per
@@ -234,7 +238,16 @@ impl RoundDriver {
         let timing = self.schedule.timing().clone();
         let table = Arc::new(self.work.payload_table());
         let payload_bytes: u64 = table.iter().filter_map(|t| t.byte_length()).sum();
-        let mut next_round = timing.next_joinable_round(unix_ms());
+        // The next round to commit to (its commit window opens during the round before it),
+        // and the next round to run (one this node committed to).
+        let mut next_commit = timing.next_joinable_round(unix_ms());
+        let mut next_round = next_commit;
+        let (mut committed, mut skipped) = (0u64, 0u64);
+        // Plans of rounds decided before this node started them (it was still finishing the
+        // round before).
+        let mut early_plans: HashMap<u64, (RoundPlan, u64)> = HashMap::new();
+        // Control messages received per round they are about.
+        let mut control_counts: HashMap<u64, u64> = HashMap::new();
         let mut active: Option<Active> = None;
         let mut training: Option<WorkFuture<(Arc<OutgoingPayload>, Trained)>> = None;
         let mut finishing: Option<WorkFuture<(Arc<OutgoingPayload>, Finished)>> = None;
@@ -244,7 +257,9 @@ impl RoundDriver {
         let mut stopping = false;
         let mut outcome = Ok(());
         loop {
-            if (records.len() as u64) >= self.options.rounds || (stopping && active.is_none()) {
+            if records.len() as u64 + skipped >= self.options.rounds
+                || (stopping && active.is_none())
+            {
                 break;
             }
             let now = unix_ms();
@@ -252,17 +267,23 @@ impl RoundDriver {
             if active.is_none() {
                 wake = wake.min(timing.round_start(next_round));
             }
+            if !stopping && committed < self.options.rounds {
+                wake = wake.min(timing.commit_opens(next_commit));
+            }
             let sleep = Duration::from_millis(wake.saturating_sub(now).min(60_000));
             tokio::select! {
                 _ = self.stop.cancelled(), if !stopping => {
                     stopping = true;
                     tracing::info!("leaving: finishing the round in flight");
+                    // Rounds committed to but not yet revealed are given up: every peer
+                    // leaves this node out of them alike.
+                    self.schedule.withdraw_from(0);
                     self.set_state(NodeState::Stopping);
                 }
                 event = self.events.recv() => match event {
                     Some(event) => {
-                        if let (NetworkEvent::Control { .. }, Some(a)) = (&event, active.as_mut()) {
-                            a.control_messages += 1;
+                        if let NetworkEvent::Control { message, .. } = &event {
+                            *control_counts.entry(message.round).or_default() += 1;
                         }
                         self.on_event(event, &mut measured)
                     }
@@ -336,7 +357,12 @@ impl RoundDriver {
                     };
                     if let Some(a) = active.take() {
                         self.service.set_state(a.round + 1, state);
-                        let record = make_record(&me, a, &timing, finished.val_loss, payload_bytes);
+                        let mut record =
+                            make_record(&me, a, &timing, finished.val_loss, payload_bytes);
+                        record.connected_peers = self.status.borrow().connected_peers;
+                        record.control_messages =
+                            control_counts.remove(&record.round).unwrap_or(0);
+                        control_counts.retain(|&round, _| round > record.round);
                         measured.finish_s = Some(moving_average(measured.finish_s, record.finish_s));
                         self.publish_record(&record);
                         on_record(&record);
@@ -346,30 +372,28 @@ impl RoundDriver {
                 }
             }
             let now = unix_ms();
-            // Start the next round when its time has come (never while leaving: the round
-            // in flight ends normally, so that its partners get their exchange).
-            if !stopping && active.is_none() && now >= timing.round_start(next_round) {
-                if now >= timing.commit_deadline(next_round) {
+            // Commit to the next round when its commit window opens, with an `Announce` of
+            // this node's H_i, step time and link for its partners' deadlines.
+            if !stopping
+                && committed < self.options.rounds
+                && now >= timing.commit_opens(next_commit)
+            {
+                if now >= timing.commit_closes(next_commit) {
                     let skip_to = timing.next_joinable_round(now);
                     tracing::warn!(
-                        missed = next_round,
+                        missed = next_commit,
                         next = skip_to,
-                        "missed a round's commit window"
+                        "too late to commit to a round"
                     );
-                    next_round = skip_to;
+                    next_commit = skip_to;
                 } else {
                     let mut nonce = [0u8; 32];
                     rand::rng().fill_bytes(&mut nonce);
-                    match self.schedule.join_round(next_round, nonce, now) {
+                    match self.schedule.join_round(next_commit, nonce, now) {
                         Ok(Action::PublishCommit { round, commitment }) => {
-                            self.service.advance_floor(round);
-                            self.publish(
-                                round,
-                                Body::Commit(Commit {
-                                    commitment: commitment.to_vec(),
-                                }),
-                            )
-                            .await;
+                            let commitment = commitment.to_vec();
+                            self.publish(round, Body::Commit(Commit { commitment }))
+                                .await;
                             let announce = {
                                 let status = self.status.borrow();
                                 Announce {
@@ -379,47 +403,70 @@ impl RoundDriver {
                                 }
                             };
                             self.publish(round, Body::Announce(announce)).await;
-                            let predicted =
-                                self.predicted_exchange(&measured, payload_bytes, &timing, None);
-                            let deadline = TrainDeadline::new(
-                                self.train_deadline(&timing, round, predicted, &measured),
-                            );
-                            // The payload moves into the outgoing message (no copy).
-                            training = Some(ready_to_send(
-                                self.work.train(TrainOrder {
-                                    round,
-                                    deadline: deadline.clone(),
-                                }),
-                                PayloadKind::Model,
-                                self.options.send.clone(),
-                                |t| std::mem::take(&mut t.payload),
-                            ));
-                            self.status.send_modify(|s| {
-                                s.round = round;
-                                s.state = NodeState::Training;
-                                s.neighbours.clear();
-                            });
-                            active = Some(Active {
-                                round,
-                                started: Instant::now(),
-                                plan: None,
-                                decided_at: 0,
-                                deadline,
-                                predicted_exchange: predicted,
-                                trained: None,
-                                ready_at: None,
-                                exchange_started: None,
-                                exchanged: None,
-                                finish_started: None,
-                                control_messages: 0,
-                            });
+                            committed += 1;
                         }
                         Ok(other) => tracing::error!(?other, "unexpected action from join_round"),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "cannot join round");
-                            next_round += 1;
-                        }
+                        Err(e) => tracing::warn!(error = %e, "cannot commit to round"),
                     }
+                    next_commit += 1;
+                }
+            }
+            // Start the next round this node committed to when its time has come (never while
+            // leaving: the round in flight ends normally, so that its partners get their
+            // exchange). A round reached only after it ended is skipped.
+            if !stopping
+                && active.is_none()
+                && next_round < next_commit
+                && now >= timing.round_start(next_round)
+            {
+                let joined = self.schedule.has_joined(next_round);
+                if !joined || now >= timing.round_start(next_round + 1) {
+                    if joined {
+                        tracing::warn!(round = next_round, "missed a round it committed to");
+                        skipped += 1;
+                    }
+                    early_plans.remove(&next_round);
+                    next_round += 1;
+                } else {
+                    let round = next_round;
+                    self.service.advance_floor(round);
+                    let predicted =
+                        self.predicted_exchange(&measured, payload_bytes, &timing, None);
+                    let deadline = TrainDeadline::new(
+                        self.train_deadline(&timing, round, predicted, &measured),
+                    );
+                    // The payload moves into the outgoing message (no copy).
+                    training = Some(ready_to_send(
+                        self.work.train(TrainOrder {
+                            round,
+                            deadline: deadline.clone(),
+                        }),
+                        PayloadKind::Model,
+                        self.options.send.clone(),
+                        |t| std::mem::take(&mut t.payload),
+                    ));
+                    self.status.send_modify(|s| {
+                        s.round = round;
+                        s.state = NodeState::Training;
+                        s.neighbours.clear();
+                    });
+                    let mut started = Active {
+                        round,
+                        started: Instant::now(),
+                        plan: None,
+                        decided_at: 0,
+                        deadline,
+                        predicted_exchange: predicted,
+                        trained: None,
+                        ready_at: None,
+                        exchange_started: None,
+                        exchanged: None,
+                        finish_started: None,
+                    };
+                    if let Some((plan, decided_at)) = early_plans.remove(&round) {
+                        self.take_plan(&mut started, plan, decided_at, &measured, payload_bytes);
+                    }
+                    active = Some(started);
                 }
             }
             for action in self.schedule.poll(now) {
@@ -437,25 +484,15 @@ impl RoundDriver {
                             .await;
                         }
                     }
-                    Action::Decided(plan) => {
-                        if let Some(a) = active.as_mut().filter(|a| a.round == plan.round) {
-                            let neighbours: Vec<String> =
-                                plan.neighbours.iter().map(|p| p.to_string()).collect();
-                            self.status.send_modify(|s| s.neighbours = neighbours);
-                            // Now that the neighbours are known, predict with their links.
-                            let predicted = self.predicted_exchange(
-                                &measured,
-                                payload_bytes,
-                                &timing,
-                                Some(&plan.neighbours),
-                            );
-                            a.predicted_exchange = predicted;
-                            a.deadline
-                                .set(self.train_deadline(&timing, a.round, predicted, &measured));
-                            a.plan = Some(plan);
-                            a.decided_at = now;
+                    Action::Decided(plan) => match active.as_mut() {
+                        Some(a) if a.round == plan.round => {
+                            self.take_plan(a, plan, now, &measured, payload_bytes)
                         }
-                    }
+                        _ if plan.is_member && plan.round >= next_round => {
+                            early_plans.insert(plan.round, (plan, now));
+                        }
+                        _ => {}
+                    },
                     Action::PublishCommit { .. } => {}
                 }
             }
@@ -499,6 +536,28 @@ impl RoundDriver {
         outcome?;
         closed?;
         Ok(records)
+    }
+
+    /// Gives the round in flight its decided plan: its neighbours, and the train deadline
+    /// predicted with their links.
+    fn take_plan(
+        &self,
+        a: &mut Active,
+        plan: RoundPlan,
+        decided_at: u64,
+        measured: &Measurements,
+        payload_bytes: u64,
+    ) {
+        let timing = self.schedule.timing();
+        let neighbours: Vec<String> = plan.neighbours.iter().map(|p| p.to_string()).collect();
+        self.status.send_modify(|s| s.neighbours = neighbours);
+        let predicted =
+            self.predicted_exchange(measured, payload_bytes, timing, Some(&plan.neighbours));
+        a.predicted_exchange = predicted;
+        a.deadline
+            .set(self.train_deadline(timing, a.round, predicted, measured));
+        a.plan = Some(plan);
+        a.decided_at = decided_at;
     }
 
     /// `C_i`: this round's payload bytes times the seconds per byte of the slowest link
@@ -707,12 +766,16 @@ fn make_record(
         train_loss: trained.and_then(|t| t.train_loss),
         val_loss,
         decided_after_ms: a.decided_at.saturating_sub(round_start),
-        last_commit_after_ms: plan.map_or(0, |p| p.last_commit_at_ms.saturating_sub(round_start)),
+        last_commit_after_ms: plan.map_or(0, |p| {
+            p.last_commit_at_ms
+                .saturating_sub(timing.commit_opens(a.round))
+        }),
         last_reveal_after_ms: plan.map_or(0, |p| {
             p.last_reveal_at_ms
                 .saturating_sub(timing.commit_deadline(a.round))
         }),
-        control_messages: a.control_messages,
+        control_messages: 0,
+        connected_peers: 0,
     }
 }
 

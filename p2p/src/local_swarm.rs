@@ -38,7 +38,7 @@ pub fn local_config(listen: Multiaddr, bootstrap: Vec<Multiaddr>) -> NetworkConf
     c.listen = vec![listen];
     c.bootstrap = bootstrap;
     c.gossip_heartbeat = Duration::from_millis(100);
-    c.discovery_interval = Duration::from_secs(1);
+    c.discovery_interval = Duration::from_secs(10);
     c
 }
 

@@ -331,13 +331,20 @@ impl EventLoop {
                 let _ = reply.send(result);
             }
             Command::Publish { message, reply } => {
+                let data = message.encode_to_vec();
+                let cap = self.config.control_max_bytes;
                 let result = match &self.topic {
                     None => Err("publish before joining a run".to_string()),
+                    // Peers' validators would refuse it: do not send it at all.
+                    Some(_) if data.len() > cap => Err(format!(
+                        "publish failed: control message of {} bytes exceeds the cap of {cap}",
+                        data.len()
+                    )),
                     Some(topic) => self
                         .swarm
                         .behaviour_mut()
                         .gossipsub
-                        .publish(topic.clone(), message.encode_to_vec())
+                        .publish(topic.clone(), data)
                         .map(|_| ())
                         .map_err(|e| format!("publish failed: {e}")),
                 };
@@ -498,6 +505,12 @@ impl EventLoop {
                 for id in self.relayed.remove(&remote_peer_id).unwrap_or_default() {
                     self.swarm.close_connection(id);
                 }
+            }
+            GaslocBehaviourEvent::Gossipsub(gossipsub::Event::SlowPeer {
+                peer_id,
+                failed_messages,
+            }) => {
+                tracing::warn!(peer = %peer_id, ?failed_messages, "gossipsub dropped messages to a slow peer");
             }
             GaslocBehaviourEvent::Kad(kad::Event::RoutingUpdated { peer, .. }) => {
                 tracing::trace!(%peer, "kademlia routing updated");

@@ -2,9 +2,12 @@
 //! round's members, permutation and neighbours (`ALGORITHMS.md` §3).
 //!
 //! Time is wall-clock milliseconds since the Unix epoch, passed in by the caller (an
-//! injectable clock): round `t` starts at `genesis + t·period`; commits are accepted until
-//! `start + commit_window`, when members publish their reveals; reveals are accepted until
-//! `start + commit_window + reveal_window`, when the round is decided. No I/O happens here:
+//! injectable clock): round `t` starts at `start_t = genesis + t·period`. The commit-reveal
+//! of a round is pipelined with the round before it: members publish their commits for round
+//! `t` when its commit window opens, `commit_window` before `start_t` (during round `t − 1`),
+//! and receivers accept them until `start_t`, so commits have the whole window to spread;
+//! at `start_t` members publish their reveals, accepted until `start_t + reveal_window`,
+//! when the round is decided (its inner steps are already running). No I/O happens here:
 //! inputs are method calls, outputs are [`Action`]s for the caller to carry out.
 
 use crate::permutation::{commitment, neighbours, permutation, round_seed, sort_peers, Digest32};
@@ -29,10 +32,17 @@ impl Timing {
         if self.period_ms == 0 || self.commit_window_ms == 0 || self.reveal_window_ms == 0 {
             return Err("round period, commit window and reveal window must be positive".into());
         }
-        if self.commit_window_ms + self.reveal_window_ms >= self.period_ms {
+        if self.commit_window_ms > self.period_ms {
             return Err(format!(
-                "commit window {} ms + reveal window {} ms must be shorter than the round period {} ms",
-                self.commit_window_ms, self.reveal_window_ms, self.period_ms
+                "commit window {} ms must not be longer than the round period {} ms (commits \
+                 for a round are published during the round before it)",
+                self.commit_window_ms, self.period_ms
+            ));
+        }
+        if self.reveal_window_ms >= self.period_ms {
+            return Err(format!(
+                "reveal window {} ms must be shorter than the round period {} ms",
+                self.reveal_window_ms, self.period_ms
             ));
         }
         if self.topology == Topology::Unspecified {
@@ -44,22 +54,36 @@ impl Timing {
     pub fn round_start(&self, round: u64) -> u64 {
         self.genesis_ms + round * self.period_ms
     }
-    pub fn commit_deadline(&self, round: u64) -> u64 {
-        self.round_start(round) + self.commit_window_ms
+    /// When members publish their commits for `round`: `commit_window` before it starts.
+    pub fn commit_opens(&self, round: u64) -> u64 {
+        self.round_start(round)
+            .saturating_sub(self.commit_window_ms)
     }
+    /// The last moment a node may publish its commit for `round` (a node that starts late
+    /// still leaves half the window for the commit to spread).
+    pub fn commit_closes(&self, round: u64) -> u64 {
+        self.round_start(round)
+            .saturating_sub(self.commit_window_ms / 2)
+    }
+    /// Commits for `round` are accepted until it starts; reveals are published then.
+    pub fn commit_deadline(&self, round: u64) -> u64 {
+        self.round_start(round)
+    }
+    /// Reveals for `round` are accepted until this moment, when the round is decided.
     pub fn reveal_deadline(&self, round: u64) -> u64 {
-        self.commit_deadline(round) + self.reveal_window_ms
+        self.round_start(round) + self.reveal_window_ms
     }
     /// The round in progress at `now`; `None` before genesis.
     pub fn round_at(&self, now: u64) -> Option<u64> {
         now.checked_sub(self.genesis_ms).map(|d| d / self.period_ms)
     }
-    /// The first round whose commit window is still open at `now`.
+    /// The first round a node may still commit to at `now`.
     pub fn next_joinable_round(&self, now: u64) -> u64 {
-        match self.round_at(now) {
-            None => 0,
-            Some(r) if now < self.commit_deadline(r) => r,
-            Some(r) => r + 1,
+        let next = self.round_at(now).map_or(0, |r| r + 1);
+        if now < self.commit_closes(next) {
+            next
+        } else {
+            next + 1
         }
     }
 
@@ -189,14 +213,14 @@ impl RoundSchedule {
     }
 
     /// Takes part in `round` with the caller's fresh random `nonce`; returns the commit to
-    /// publish. Fails once the round's commit window has closed.
+    /// publish. Fails once it is too late to publish a commit for the round.
     pub fn join_round(
         &mut self,
         round: u64,
         nonce: Digest32,
         now: u64,
     ) -> Result<Action, Rejection> {
-        if now >= self.timing.commit_deadline(round) {
+        if now >= self.timing.commit_closes(round) {
             return Err(Rejection::LateCommit { round });
         }
         let c = commitment(&self.run_id, round, &self.me, &nonce);
@@ -274,6 +298,24 @@ impl RoundSchedule {
                 current: self.timing.round_at(now),
             })
         }
+    }
+
+    /// Gives up the rounds from `round` on that this node committed to: it will not reveal
+    /// them (it is leaving), so every peer leaves it out of those rounds alike.
+    pub fn withdraw_from(&mut self, round: u64) {
+        for (_, state) in self.rounds.range_mut(round..) {
+            if !state.revealed {
+                state.my_nonce = None;
+                state.commits.remove(&self.me);
+            }
+        }
+    }
+
+    /// Whether this node committed to `round` (and has not withdrawn).
+    pub fn has_joined(&self, round: u64) -> bool {
+        self.rounds
+            .get(&round)
+            .is_some_and(|state| state.my_nonce.is_some())
     }
 
     /// Advances time: reveals due at `now` and rounds decided at `now`, in round order.
@@ -435,13 +477,15 @@ mod tests {
             .collect();
         let mut plans = vec![Vec::new(); n as usize];
         for round in 0..rounds {
+            // Commits when the round's commit window opens (during the round before), reveals
+            // at its start, the decision when the reveal window closes.
             let start = GENESIS + round * 1000;
             for i in 0..schedules.len() {
                 let nonce = [(round as u8).wrapping_mul(31) ^ i as u8; 32];
-                let a = schedules[i].join_round(round, nonce, start + 10).unwrap();
-                deliver(&mut schedules, i, &[a], start + 20, drop_reveals_of);
+                let a = schedules[i].join_round(round, nonce, start - 190).unwrap();
+                deliver(&mut schedules, i, &[a], start - 180, drop_reveals_of);
             }
-            for now in [start + 200, start + 400] {
+            for now in [start, start + 200] {
                 for i in 0..schedules.len() {
                     let actions = schedules[i].poll(now);
                     deliver(&mut schedules, i, &actions, now + 1, drop_reveals_of);
@@ -500,45 +544,70 @@ mod tests {
         let mut s = RoundSchedule::new(t.clone(), [1; 32], peer(0));
         let other = peer(1);
         let nonce = [9; 32];
-        let good = commitment(&[1; 32], 0, &other, &nonce);
+        let round1 = GENESIS + 1000;
+        let good = commitment(&[1; 32], 1, &other, &nonce);
+        // Commits for round 1 are accepted during round 0, until round 1 starts.
         assert_eq!(
-            s.on_commit(other, 0, good, GENESIS + 200),
-            Err(Rejection::LateCommit { round: 0 })
+            s.on_commit(other, 1, good, round1),
+            Err(Rejection::LateCommit { round: 1 })
         );
         assert_eq!(
-            s.on_commit(other, 5, good, GENESIS + 10),
+            s.on_commit(other, 5, good, round1 - 150),
             Err(Rejection::OutsideWindow {
                 round: 5,
                 current: Some(0)
             })
         );
-        s.on_commit(other, 0, good, GENESIS + 10).unwrap();
+        s.on_commit(other, 1, good, round1 - 150).unwrap();
         assert_eq!(
-            s.on_commit(other, 0, [0; 32], GENESIS + 11),
-            Err(Rejection::ConflictingCommit { round: 0 })
+            s.on_commit(other, 1, [0; 32], round1 - 149),
+            Err(Rejection::ConflictingCommit { round: 1 })
+        );
+        // Reveals are accepted from the round's start until its reveal window closes.
+        assert_eq!(
+            s.on_reveal(other, 1, [8; 32], round1 + 50),
+            Err(Rejection::RevealMismatch { round: 1 })
         );
         assert_eq!(
-            s.on_reveal(other, 0, [8; 32], GENESIS + 250),
-            Err(Rejection::RevealMismatch { round: 0 })
+            s.on_reveal(peer(2), 1, nonce, round1 + 50),
+            Err(Rejection::NoCommit { round: 1 })
         );
         assert_eq!(
-            s.on_reveal(peer(2), 0, nonce, GENESIS + 250),
-            Err(Rejection::NoCommit { round: 0 })
+            s.on_reveal(other, 1, nonce, round1 + 200),
+            Err(Rejection::LateReveal { round: 1 })
         );
-        assert_eq!(
-            s.on_reveal(other, 0, nonce, GENESIS + 400),
-            Err(Rejection::LateReveal { round: 0 })
-        );
-        s.on_reveal(other, 0, nonce, GENESIS + 399).unwrap();
-        let actions = s.poll(GENESIS + 400);
+        s.on_reveal(other, 1, nonce, round1 + 199).unwrap();
+        let actions = s.poll(round1 + 200);
         let [Action::Decided(plan)] = actions.as_slice() else {
             panic!("{actions:?}")
         };
         // peer(0) never joined: it sees the round but is not a member.
         assert_eq!(plan.members, vec![other]);
         assert!(!plan.is_member && plan.neighbours.is_empty());
-        assert!(s.join_round(1, nonce, GENESIS + 1200).is_err());
+        // Too late to commit to round 2 once less than half its commit window is left.
+        assert!(s.join_round(2, nonce, GENESIS + 2000 - 100).is_err());
         assert_eq!(s.next_wakeup(), None);
+    }
+
+    #[test]
+    fn a_node_that_withdraws_does_not_reveal_and_is_left_out() {
+        let t = timing(Topology::OnePeer);
+        let mut s = RoundSchedule::new(t, [1; 32], peer(0));
+        let start = GENESIS + 1000;
+        s.join_round(1, [3; 32], start - 200).unwrap();
+        assert!(s.has_joined(1));
+        assert_eq!(
+            s.next_wakeup(),
+            Some(start),
+            "it would reveal when round 1 starts"
+        );
+        s.withdraw_from(1);
+        assert!(!s.has_joined(1));
+        let actions = s.poll(start + 200);
+        let [Action::Decided(plan)] = actions.as_slice() else {
+            panic!("{actions:?}")
+        };
+        assert!(!plan.is_member && plan.members.is_empty() && plan.withheld.is_empty());
     }
 
     #[test]
@@ -546,13 +615,20 @@ mod tests {
         let mut t = timing(Topology::OnePeer);
         assert_eq!(t.round_at(GENESIS - 1), None);
         assert_eq!(t.round_at(GENESIS + 2500), Some(2));
-        assert_eq!(t.next_joinable_round(GENESIS + 2100), 2);
-        assert_eq!(t.next_joinable_round(GENESIS + 2300), 3);
+        // Round 3's commit window opens at 2800 and a late node may commit until 2900.
+        assert_eq!(t.commit_opens(3), GENESIS + 2800);
+        assert_eq!(t.next_joinable_round(GENESIS + 2100), 3);
+        assert_eq!(t.next_joinable_round(GENESIS + 2899), 3);
+        assert_eq!(t.next_joinable_round(GENESIS + 2900), 4);
+        assert_eq!(t.next_joinable_round(GENESIS - 5000), 0);
         assert_eq!(Timing::from_wire(&t.to_wire()).unwrap(), t);
-        t.reveal_window_ms = 900;
+        t.reveal_window_ms = 1000;
         assert!(t
             .validate()
             .unwrap_err()
             .contains("shorter than the round period"));
+        t.reveal_window_ms = 200;
+        t.commit_window_ms = 1001;
+        assert!(t.validate().unwrap_err().contains("commit window 1001 ms"));
     }
 }

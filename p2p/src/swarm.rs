@@ -92,7 +92,7 @@ fn build_behaviour(
         .heartbeat_initial_delay(config.gossip_heartbeat)
         .validation_mode(gossipsub::ValidationMode::Strict)
         .validate_messages()
-        .max_transmit_size(config.control_max_bytes)
+        .max_transmit_size(config.gossip_max_frame_bytes)
         .mesh_n_low(4)
         .mesh_n(6)
         .mesh_n_high(12)

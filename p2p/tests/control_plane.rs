@@ -40,7 +40,7 @@ async fn only_valid_messages_of_the_run_are_delivered_with_their_author() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
-    // Oversized: refused by the sender's own gossipsub (4096-byte cap).
+    // Oversized: refused by the sender itself (the 4096-byte cap of a control message).
     let huge = ControlMessage {
         run_id: RUN_ID.to_vec(),
         round: 0,
@@ -49,7 +49,7 @@ async fn only_valid_messages_of_the_run_are_delivered_with_their_author() {
         })),
     };
     let err = sender.client.publish(huge).await.unwrap_err();
-    assert!(err.contains("publish failed"), "{err}");
+    assert!(err.contains("exceeds the cap of 4096"), "{err}");
 
     // Another run's message, a malformed nonce: published, but the receiver drops them.
     sender
