@@ -11,7 +11,8 @@ use clap::Parser;
 use gasloc_p2p::config::{NetworkConfig, Role};
 use gasloc_p2p::network::{self, unix_ms, NetworkEvent};
 use gasloc_p2p::schedule::Timing;
-use gasloc_proto::wire::{ManifestResponse, Topology};
+use gasloc_proto::topology::Topology;
+use gasloc_proto::wire::ManifestResponse;
 use gasloc_proto::RunManifest;
 use libp2p::Multiaddr;
 use std::io::Write;
@@ -45,10 +46,12 @@ struct Args {
     /// Round period in milliseconds.
     #[arg(long, default_value_t = 60_000)]
     round_period_ms: u64,
-    /// Commit window in milliseconds.
+    /// Commit window in milliseconds: members publish their commits for a round this long
+    /// before it starts (at most one round period).
     #[arg(long, default_value_t = 5_000)]
     commit_window_ms: u64,
-    /// Reveal window in milliseconds.
+    /// Reveal window in milliseconds: reveals are published when a round starts and the
+    /// round is decided this long after (shorter than a round period).
     #[arg(long, default_value_t = 5_000)]
     reveal_window_ms: u64,
     /// Exchange timeout in milliseconds.
@@ -100,26 +103,15 @@ async fn serve_status(listener: tokio::net::TcpListener, client: network::Client
     }
 }
 
-fn parse_topology(s: &str) -> Result<Topology> {
-    Ok(match s {
-        "one-peer" => Topology::OnePeer,
-        "two-peer" => Topology::TwoPeer,
-        "complete" => Topology::Complete,
-        other => bail!("unknown topology {other:?} (expected one-peer, two-peer or complete)"),
-    })
-}
-
-/// The swarm topology of the manifest's `[outer] topology`.
-fn manifest_topology(manifest: &RunManifest) -> Result<Topology> {
-    use gasloc_proto::topology::Topology as Graph;
-    Ok(match manifest.outer.topology {
-        Graph::OnePeer => Topology::OnePeer,
-        Graph::TwoPeer => Topology::TwoPeer,
-        Graph::Complete => Topology::Complete,
-        Graph::Ring => bail!(
-            "[outer] topology = \"ring\" is a simulator baseline; a swarm needs one-peer, two-peer or complete"
+/// The swarm topology named by `--topology` (`from` says where the name came from).
+fn swarm_topology(name: &str, from: &str) -> Result<Topology> {
+    match Topology::from_name(name) {
+        Some(t) if t.to_wire().is_some() => Ok(t),
+        Some(_) => bail!(
+            "topology {name:?} ({from}) is a simulator baseline; a swarm needs one-peer, two-peer or complete"
         ),
-    })
+        None => bail!("unknown topology {name:?} ({from}; expected one-peer, two-peer or complete)"),
+    }
 }
 
 #[tokio::main]
@@ -145,8 +137,8 @@ async fn main() -> Result<()> {
         reveal_window_ms: args.reveal_window_ms,
         exchange_timeout_ms: args.exchange_timeout_ms,
         topology: match &args.topology {
-            Some(t) => parse_topology(t)?,
-            None => manifest_topology(&manifest)?,
+            Some(name) => swarm_topology(name, "--topology")?,
+            None => swarm_topology(manifest.outer.topology.name(), "[outer] topology")?,
         },
     };
     timing

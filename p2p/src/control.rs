@@ -132,7 +132,8 @@ impl ControlValidator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use gasloc_proto::wire::{Commit, Topology};
+    use gasloc_proto::topology::Topology;
+    use gasloc_proto::wire::Commit;
     use libp2p::identity::Keypair;
 
     fn commit(run: [u8; 32], round: u64, len: usize) -> Vec<u8> {

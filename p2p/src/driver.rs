@@ -31,8 +31,9 @@ use crate::network::{unix_ms, Client, NetworkEvent};
 use crate::schedule::{Action, RoundPlan, RoundSchedule, Timing};
 use crate::tensors::TensorSet;
 use crate::work::{Finished, Received, RoundWork, TrainDeadline, TrainOrder, Trained, WorkFuture};
+use gasloc_proto::topology::Topology;
 use gasloc_proto::wire::{
-    control_message::Body, Announce, Commit, ControlMessage, PayloadKind, Reveal, Topology,
+    control_message::Body, Announce, Commit, ControlMessage, PayloadKind, Reveal,
 };
 use gasloc_status::{NodeState, NodeStatus};
 use libp2p::PeerId;

@@ -4,7 +4,8 @@
 //! derives the same permutation from the same reveals (`ALGORITHMS.md` §3).
 
 use gasloc_proto::topology;
-use gasloc_proto::wire::{Topology, DIGEST_LEN};
+use gasloc_proto::topology::Topology;
+use gasloc_proto::wire::DIGEST_LEN;
 use libp2p::PeerId;
 use sha2::{Digest, Sha256};
 
@@ -65,13 +66,8 @@ pub fn neighbours(topology: Topology, perm: &[PeerId], me: &PeerId) -> Vec<PeerI
     let Some(pos) = perm.iter().position(|p| p == me) else {
         return Vec::new();
     };
-    let shape = match topology {
-        Topology::OnePeer | Topology::Unspecified => topology::Topology::OnePeer,
-        Topology::TwoPeer => topology::Topology::TwoPeer,
-        Topology::Complete => topology::Topology::Complete,
-    };
     let positions: Vec<usize> = (0..perm.len()).collect();
-    shape.neighbours(&positions)[pos]
+    topology.neighbours(&positions)[pos]
         .iter()
         .map(|&k| perm[k])
         .collect()

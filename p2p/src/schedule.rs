@@ -11,7 +11,8 @@
 //! inputs are method calls, outputs are [`Action`]s for the caller to carry out.
 
 use crate::permutation::{commitment, neighbours, permutation, round_seed, sort_peers, Digest32};
-use gasloc_proto::wire::{RoundTiming, Topology};
+use gasloc_proto::topology::Topology;
+use gasloc_proto::wire::RoundTiming;
 use libp2p::PeerId;
 use std::collections::{BTreeMap, HashMap};
 
@@ -45,8 +46,11 @@ impl Timing {
                 self.reveal_window_ms, self.period_ms
             ));
         }
-        if self.topology == Topology::Unspecified {
-            return Err("topology is unspecified".into());
+        if self.topology.to_wire().is_none() {
+            return Err(format!(
+                "topology {} is a simulator baseline; a swarm runs one-peer, two-peer or complete",
+                self.topology.name()
+            ));
         }
         Ok(())
     }
@@ -88,13 +92,15 @@ impl Timing {
     }
 
     pub fn from_wire(t: &RoundTiming) -> Result<Self, String> {
+        let topology = Topology::from_wire(t.topology)
+            .ok_or_else(|| format!("topology {} is unspecified or unknown", t.topology))?;
         let timing = Timing {
             genesis_ms: t.genesis_unix_ms,
             period_ms: t.round_period_ms,
             commit_window_ms: t.commit_window_ms,
             reveal_window_ms: t.reveal_window_ms,
             exchange_timeout_ms: t.exchange_timeout_ms,
-            topology: Topology::try_from(t.topology).unwrap_or(Topology::Unspecified),
+            topology,
         };
         timing.validate()?;
         Ok(timing)
@@ -107,7 +113,8 @@ impl Timing {
             commit_window_ms: self.commit_window_ms,
             reveal_window_ms: self.reveal_window_ms,
             exchange_timeout_ms: self.exchange_timeout_ms,
-            topology: self.topology as i32,
+            // A validated timing has a swarm topology (the simulator's ring has no wire form).
+            topology: self.topology.to_wire().map_or(0, |t| t as i32),
         }
     }
 }

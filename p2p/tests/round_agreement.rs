@@ -8,7 +8,7 @@ use gasloc_p2p::driver::RoundRecord;
 use gasloc_p2p::local_swarm::LocalSwarm;
 use gasloc_p2p::schedule::Timing;
 use gasloc_p2p::synthetic::SyntheticTrainer;
-use gasloc_proto::wire::Topology;
+use gasloc_proto::topology::Topology;
 use std::collections::BTreeMap;
 use std::time::Duration;
 

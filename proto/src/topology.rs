@@ -32,6 +32,41 @@ pub enum Topology {
 }
 
 impl Topology {
+    /// Every topology, in the order the names are listed to users.
+    pub const ALL: [Topology; 4] = [
+        Topology::OnePeer,
+        Topology::TwoPeer,
+        Topology::Complete,
+        Topology::Ring,
+    ];
+
+    /// The topology called `name` (`one-peer`, `two-peer`, `complete`, `ring`).
+    pub fn from_name(name: &str) -> Option<Topology> {
+        Topology::ALL.into_iter().find(|t| t.name() == name)
+    }
+
+    /// Its wire form; `None` for `Ring`, a simulator baseline that swarms do not run.
+    pub fn to_wire(self) -> Option<crate::wire::Topology> {
+        use crate::wire::Topology as Wire;
+        match self {
+            Topology::OnePeer => Some(Wire::OnePeer),
+            Topology::TwoPeer => Some(Wire::TwoPeer),
+            Topology::Complete => Some(Wire::Complete),
+            Topology::Ring => None,
+        }
+    }
+
+    /// From its wire form (`i32` as prost stores it); `None` if unspecified or unknown.
+    pub fn from_wire(value: i32) -> Option<Topology> {
+        use crate::wire::Topology as Wire;
+        match Wire::try_from(value).ok()? {
+            Wire::OnePeer => Some(Topology::OnePeer),
+            Wire::TwoPeer => Some(Topology::TwoPeer),
+            Wire::Complete => Some(Topology::Complete),
+            Wire::Unspecified => None,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Topology::OnePeer => "one-peer",
@@ -205,12 +240,19 @@ pub fn sim_round_seed(run_seed: u64, round: u64) -> [u8; 32] {
 mod tests {
     use super::*;
 
-    const ALL: [Topology; 4] = [
-        Topology::OnePeer,
-        Topology::TwoPeer,
-        Topology::Complete,
-        Topology::Ring,
-    ];
+    #[test]
+    fn names_and_wire_forms_round_trip_and_the_ring_has_no_wire_form() {
+        for t in Topology::ALL {
+            assert_eq!(Topology::from_name(t.name()), Some(t));
+            match t.to_wire() {
+                Some(w) => assert_eq!(Topology::from_wire(w as i32), Some(t)),
+                None => assert_eq!(t, Topology::Ring),
+            }
+        }
+        assert_eq!(Topology::from_name("star"), None);
+        assert_eq!(Topology::from_wire(0), None, "unspecified");
+        assert_eq!(Topology::from_wire(99), None, "unknown");
+    }
 
     fn matrix(rows: &[MixingRow]) -> Vec<Vec<f64>> {
         let n = rows.len();
@@ -253,7 +295,7 @@ mod tests {
 
     #[test]
     fn mixing_matrices_are_doubly_stochastic_and_symmetric() {
-        for topology in ALL {
+        for topology in Topology::ALL {
             for n in 1..=9 {
                 for round in 0..5 {
                     let w = matrix(&topology.mixing(&permutation(sim_round_seed(3, round), n)));

@@ -126,11 +126,15 @@ fn bootstrap_refuses_bad_flags_and_files_with_a_reason() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("run.toml"), MANIFEST).unwrap();
     std::fs::write(dir.path().join("bad.key"), b"not a key").unwrap();
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 6] = [
         (&["--run", "missing.toml"], "cannot read run manifest"),
         (
             &["--run", "run.toml", "--topology", "star"],
             "unknown topology",
+        ),
+        (
+            &["--run", "run.toml", "--topology", "ring"],
+            "is a simulator baseline",
         ),
         (
             &[
@@ -139,11 +143,24 @@ fn bootstrap_refuses_bad_flags_and_files_with_a_reason() {
                 "--round-period-ms",
                 "1000",
                 "--commit-window-ms",
-                "600",
+                "1500",
                 "--reveal-window-ms",
                 "600",
             ],
-            "shorter than the round period",
+            "commit window 1500 ms must not be longer than the round period",
+        ),
+        (
+            &[
+                "--run",
+                "run.toml",
+                "--round-period-ms",
+                "1000",
+                "--commit-window-ms",
+                "500",
+                "--reveal-window-ms",
+                "1000",
+            ],
+            "reveal window 1000 ms must be shorter than the round period",
         ),
         (
             &["--run", "run.toml", "--identity", "bad.key"],
