@@ -23,7 +23,8 @@ pub struct LocalSwarm {
     pub rounds: u64,
     /// This node never publishes its reveals.
     pub withholder: Option<usize>,
-    /// Round timing; `genesis_ms` is replaced by "shortly after every node is subscribed".
+    /// Round timing; `genesis_ms` is replaced by "round 0's commit window opens a second
+    /// after every node is subscribed".
     pub timing: Timing,
     /// The synthetic trainer every node runs (its `peer` is replaced by each node's id).
     pub trainer: SyntheticTrainer,
@@ -95,8 +96,10 @@ impl LocalSwarm {
         if !ready {
             bail!("the local swarm did not form its topic within 20 s");
         }
+        // Round 0's commits go out a second after the topic formed (its commit window opens
+        // `commit_window` before genesis).
         let timing = Timing {
-            genesis_ms: unix_ms() + 1000,
+            genesis_ms: unix_ms() + 1000 + self.timing.commit_window_ms,
             ..self.timing.clone()
         };
         timing.validate().map_err(anyhow::Error::msg)?;
