@@ -24,6 +24,10 @@ pub struct NetworkConfig {
     pub bootstrap: Vec<Multiaddr>,
     /// Discover peers on the LAN with mDNS.
     pub mdns: bool,
+    /// Also listen through a relay circuit on each bootstrap node, for a node that others
+    /// cannot dial (behind NAT or a firewall): peers reach it through the bootstrap's relay,
+    /// and DCUtR then tries a direct connection.
+    pub relay_listen: bool,
     /// Run Kademlia in server mode (answer queries, enter others' routing tables). Turn off
     /// for nodes that are not reachable from outside.
     pub kad_server: bool,
@@ -64,6 +68,7 @@ impl NetworkConfig {
             listen: Vec::new(),
             bootstrap: Vec::new(),
             mdns: false,
+            relay_listen: false,
             kad_server: true,
             discovery_interval: Duration::from_secs(30),
             idle_connection_timeout: Duration::from_secs(600),

@@ -82,6 +82,10 @@ pub struct JoinArgs {
     /// Discover peers on the LAN with mDNS.
     #[arg(long)]
     pub mdns: bool,
+    /// Also be reachable through a relay circuit on each bootstrap node (for a node that
+    /// others cannot dial: behind NAT or a firewall).
+    #[arg(long)]
+    pub relay: bool,
     /// Kademlia client mode (for nodes not reachable from outside).
     #[arg(long)]
     pub kad_client: bool,
@@ -112,6 +116,7 @@ impl JoinArgs {
         c.listen = self.listen.clone();
         c.bootstrap = self.bootstrap.clone();
         c.mdns = self.mdns;
+        c.relay_listen = self.relay;
         c.kad_server = !self.kad_client;
         c.idle_connection_timeout = Duration::from_secs(self.idle_connection_timeout_s);
         c.quic_max_idle_timeout = Duration::from_secs(self.quic_idle_timeout_s);

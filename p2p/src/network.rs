@@ -5,7 +5,7 @@
 //! rust-libp2p `file-sharing` example pattern). Bulk streams do not pass through the loop:
 //! [`Client::stream_control`] gives a `libp2p_stream::Control` for the exchange protocols.
 
-use crate::config::NetworkConfig;
+use crate::config::{NetworkConfig, Role};
 use crate::control::{run_topic, ControlValidator};
 use crate::schedule::Timing;
 use crate::swarm::{build_swarm, GaslocBehaviour, GaslocBehaviourEvent};
@@ -221,6 +221,13 @@ pub async fn start_with_metrics(
             _ => {}
         }
     }
+    // A bootstrap node is reachable where it listens (that is its job): its relay server
+    // serves circuits only once the node has a confirmed external address.
+    if config.role == Role::Bootstrap {
+        for address in &listen_addrs {
+            swarm.add_external_address(address.clone());
+        }
+    }
     let mut bootstrap_peers = HashSet::new();
     for address in &config.bootstrap {
         if let Some(peer) = peer_id_of(address) {
@@ -250,6 +257,7 @@ pub async fn start_with_metrics(
         pending_dials: HashMap::new(),
         bootstrap_peers,
         relayed: HashMap::new(),
+        relay_circuits: HashSet::new(),
         lookups: HashMap::new(),
         metrics,
     };
@@ -279,6 +287,8 @@ pub struct EventLoop {
     pending_dials: HashMap<ConnectionId, oneshot::Sender<Result<(), String>>>,
     bootstrap_peers: HashSet<PeerId>,
     relayed: HashMap<PeerId, Vec<ConnectionId>>,
+    /// Bootstrap nodes this node listens through (a relay circuit each).
+    relay_circuits: HashSet<PeerId>,
     /// When a Kademlia lookup for a control-message author was last started.
     lookups: HashMap<PeerId, Instant>,
     metrics: Option<libp2p::metrics::Metrics>,
@@ -432,6 +442,9 @@ impl EventLoop {
                             .kad
                             .add_address(&peer_id, address.clone());
                         let _ = self.swarm.behaviour_mut().kad.bootstrap();
+                        if self.config.relay_listen && self.relay_circuits.insert(peer_id) {
+                            self.listen_through_relay(peer_id, address.clone());
+                        }
                     }
                 }
                 if num_established.get() == 1 {
@@ -554,8 +567,27 @@ impl EventLoop {
         }
     }
 
+    /// Listens through a relay circuit on `relay` (reached at `address`): peers that cannot
+    /// dial this node directly reach it at `<address>/p2p/<relay>/p2p-circuit/p2p/<me>`.
+    fn listen_through_relay(&mut self, relay: PeerId, address: Multiaddr) {
+        let mut circuit = address;
+        if matches!(circuit.iter().last(), Some(Protocol::P2p(_))) {
+            circuit.pop();
+        }
+        let circuit = circuit
+            .with(Protocol::P2p(relay))
+            .with(Protocol::P2pCircuit);
+        match self.swarm.listen_on(circuit.clone()) {
+            Ok(_) => tracing::info!(%circuit, "listening through the relay"),
+            Err(e) => tracing::warn!(%circuit, error = %e, "cannot listen through the relay"),
+        }
+    }
+
     /// Round partners are taken from the control plane's authors: look up the address of an
-    /// author this node is not connected to, so that an exchange stream can be opened later.
+    /// author this node is not connected to, so that an exchange stream can be opened later,
+    /// and note the author's relay circuit on each bootstrap node (`/p2p/<bootstrap>/
+    /// p2p-circuit/p2p/<author>`: it works when the author listens there with `--relay`,
+    /// because nobody can dial it directly).
     fn find_author(&mut self, peer: PeerId) {
         if peer == *self.swarm.local_peer_id() || self.swarm.is_connected(&peer) {
             return;
@@ -570,6 +602,20 @@ impl EventLoop {
         }
         self.lookups.insert(peer, now);
         self.swarm.behaviour_mut().kad.get_closest_peers(peer);
+        let relays: Vec<Multiaddr> = self
+            .config
+            .bootstrap
+            .iter()
+            .filter(|a| peer_id_of(a).is_some_and(|relay| relay != peer))
+            .map(|a| {
+                a.clone()
+                    .with(Protocol::P2pCircuit)
+                    .with(Protocol::P2p(peer))
+            })
+            .collect();
+        for circuit in relays {
+            self.swarm.add_peer_address(peer, circuit);
+        }
     }
 
     fn on_manifest_event(

@@ -151,7 +151,9 @@ fn build_behaviour(
         ),
         identify: identify::Behaviour::new(
             identify::Config::new(IDENTIFY_PROTOCOL.into(), key.public())
-                .with_agent_version(format!("gasloc/{}", env!("CARGO_PKG_VERSION"))),
+                .with_agent_version(format!("gasloc/{}", env!("CARGO_PKG_VERSION")))
+                // A relay circuit opened later is an address too: tell connected peers.
+                .with_push_listen_addr_updates(true),
         ),
         ping: ping::Behaviour::default(),
         kad,

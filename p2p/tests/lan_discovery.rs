@@ -6,8 +6,9 @@
 
 use gasloc_p2p::config::{NetworkConfig, Role};
 use gasloc_p2p::network::{self, NetworkEvent};
+use gasloc_tests::{is_root, Namespaces};
 use libp2p::identity::Keypair;
-use std::process::{Command, Output, Stdio};
+use std::process::{Output, Stdio};
 use std::time::Duration;
 
 const TEST: &str = "two_nodes_on_a_lan_find_each_other_with_mdns_and_not_without";
@@ -42,72 +43,31 @@ async fn lan_peer(listen: &str, mdns: bool, wait: Duration, linger: Duration) {
     node.client.shutdown().await;
 }
 
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().expect("ip runs");
-    assert!(
-        out.status.success(),
-        "ip {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// Two namespaces joined by a veth pair, 10.214.0.1/24 and 10.214.0.2/24; removed on drop.
-struct Lan {
-    names: [String; 2],
-}
-
-impl Lan {
-    fn create() -> Lan {
-        let id = std::process::id();
-        let names = [format!("glmdns-a-{id}"), format!("glmdns-b-{id}")];
-        let lan = Lan { names };
-        let [a, b] = &lan.names;
-        ip(&["netns", "add", a]);
-        ip(&["netns", "add", b]);
-        let (va, vb) = (format!("gm{id}a"), format!("gm{id}b"));
-        ip(&[
-            "link", "add", &va, "netns", a, "type", "veth", "peer", "name", &vb, "netns", b,
-        ]);
-        for (ns, dev, addr) in [(a, &va, "10.214.0.1/24"), (b, &vb, "10.214.0.2/24")] {
-            ip(&["-n", ns, "addr", "add", addr, "dev", dev]);
-            ip(&["-n", ns, "link", "set", "lo", "up"]);
-            ip(&["-n", ns, "link", "set", dev, "up"]);
-        }
-        lan
-    }
-
-    /// Runs a [`lan_peer`] in both namespaces at once (this test binary again); their
-    /// outputs, in namespace order.
-    fn run_pair(&self, mdns: bool, wait_s: u64) -> [Output; 2] {
-        let exe = std::env::current_exe().expect("test executable path");
-        let spawn = |ns: &str, host: &str| {
-            Command::new("ip")
-                .args(["netns", "exec", ns, "timeout", "60"])
-                .arg(&exe)
-                .args(["--exact", TEST, "--nocapture", "--test-threads", "1"])
-                .env("LAN_PEER_LISTEN", format!("/ip4/{host}/tcp/0"))
-                .env("LAN_PEER_MDNS", if mdns { "on" } else { "off" })
-                .env("LAN_PEER_WAIT_S", wait_s.to_string())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("lan peer starts")
-        };
-        let a = spawn(&self.names[0], "10.214.0.1");
-        let b = spawn(&self.names[1], "10.214.0.2");
-        [
-            a.wait_with_output().expect("lan_peer a"),
-            b.wait_with_output().expect("lan_peer b"),
-        ]
-    }
-}
-
-impl Drop for Lan {
-    fn drop(&mut self) {
-        for ns in &self.names {
-            let _ = Command::new("ip").args(["netns", "del", ns]).output();
-        }
-    }
+/// Runs a [`lan_peer`] in both namespaces at once (this test binary again); their outputs,
+/// in namespace order.
+fn run_pair(lan: &Namespaces, mdns: bool, wait_s: u64) -> [Output; 2] {
+    let exe = std::env::current_exe().expect("test executable path");
+    let spawn = |index: usize| {
+        lan.command(index, "timeout")
+            .arg("60")
+            .arg(&exe)
+            .args(["--exact", TEST, "--nocapture", "--test-threads", "1"])
+            .env(
+                "LAN_PEER_LISTEN",
+                format!("/ip4/10.214.0.{}/tcp/0", index + 1),
+            )
+            .env("LAN_PEER_MDNS", if mdns { "on" } else { "off" })
+            .env("LAN_PEER_WAIT_S", wait_s.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("lan peer starts")
+    };
+    let (a, b) = (spawn(0), spawn(1));
+    [
+        a.wait_with_output().expect("lan peer a"),
+        b.wait_with_output().expect("lan peer b"),
+    ]
 }
 
 /// The word after `key` in a node's output (the test harness may print on the same line).
@@ -115,13 +75,6 @@ fn field<'a>(out: &'a Output, key: &str) -> Option<&'a str> {
     let text = std::str::from_utf8(&out.stdout).ok()?;
     let start = text.find(key)? + key.len();
     text[start..].split_whitespace().next()
-}
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .is_ok_and(|o| o.stdout.trim_ascii() == b"0")
 }
 
 #[test]
@@ -139,9 +92,10 @@ fn two_nodes_on_a_lan_find_each_other_with_mdns_and_not_without() {
         eprintln!("lan_discovery needs root to create network namespaces; not run");
         return;
     }
-    let lan = Lan::create();
+    let lan = Namespaces::create(&["glmdns-a", "glmdns-b"]);
+    lan.link(0, "10.214.0.1/24", 1, "10.214.0.2/24");
 
-    let [a, b] = lan.run_pair(true, 30);
+    let [a, b] = run_pair(&lan, true, 30);
     for out in [&a, &b] {
         assert!(
             out.status.success(),
@@ -157,7 +111,7 @@ fn two_nodes_on_a_lan_find_each_other_with_mdns_and_not_without() {
     assert_eq!(field(&b, "connected="), Some(id_a), "b found a");
 
     // The control: the same nodes without mDNS have no way to meet.
-    let [a, b] = lan.run_pair(false, 5);
+    let [a, b] = run_pair(&lan, false, 5);
     for out in [&a, &b] {
         assert!(!out.status.success(), "a node without mDNS found a peer");
         let printed = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);

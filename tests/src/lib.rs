@@ -321,3 +321,74 @@ pub fn prepare_byte_data(dir: &Path) -> PathBuf {
     assert!(status.success(), "data prepare failed");
     data
 }
+
+/// Network namespaces a test creates, named `<name>-<pid>`, each with its loopback up, joined
+/// by veth pairs; removed (with their links) when dropped. Creating them needs root.
+pub struct Namespaces {
+    names: Vec<String>,
+}
+
+impl Namespaces {
+    pub fn create(names: &[&str]) -> Namespaces {
+        let pid = std::process::id();
+        let namespaces = Namespaces {
+            names: names.iter().map(|n| format!("{n}-{pid}")).collect(),
+        };
+        for ns in &namespaces.names {
+            ip(&["netns", "add", ns]);
+            ip(&["-n", ns, "link", "set", "lo", "up"]);
+        }
+        namespaces
+    }
+
+    /// A veth pair between namespaces `a` and `b` with the given addresses (`10.0.0.1/24`).
+    pub fn link(&self, a: usize, address_a: &str, b: usize, address_b: &str) {
+        static LINKS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = LINKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (dev_a, dev_b) = {
+            let base = format!("gv{}x{n}", std::process::id());
+            (format!("{base}a"), format!("{base}b"))
+        };
+        let (ns_a, ns_b) = (&self.names[a], &self.names[b]);
+        ip(&[
+            "link", "add", &dev_a, "netns", ns_a, "type", "veth", "peer", "name", &dev_b, "netns",
+            ns_b,
+        ]);
+        for (ns, dev, address) in [(ns_a, &dev_a, address_a), (ns_b, &dev_b, address_b)] {
+            ip(&["-n", ns, "addr", "add", address, "dev", dev]);
+            ip(&["-n", ns, "link", "set", dev, "up"]);
+        }
+    }
+
+    /// `program` run inside namespace `index` (`ip netns exec`).
+    pub fn command(&self, index: usize, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut command = Command::new("ip");
+        command
+            .args(["netns", "exec", &self.names[index]])
+            .arg(program);
+        command
+    }
+}
+
+impl Drop for Namespaces {
+    fn drop(&mut self) {
+        for ns in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", ns]).output();
+        }
+    }
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("ip runs");
+    assert!(
+        out.status.success(),
+        "ip {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Whether this process may create network namespaces (runs as root).
+pub fn is_root() -> bool {
+    // SAFETY: geteuid(2) has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
