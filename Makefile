@@ -19,7 +19,7 @@ export GASLOC_PYTHON := $(PYTHON)
 
 NODE := target/debug/gasloc-node
 
-.PHONY: help setup venv chromium build demo-data demo test bench clean
+.PHONY: help setup venv chromium nettools build demo-data demo test bench clean
 
 help:
 	@echo "make demo   set up, build, and run a local swarm (bootstrap + 4 nodes) on Shakespeare"
@@ -27,13 +27,21 @@ help:
 	@echo "make setup  the .venv with torch $(TORCH_VERSION) + transformers, and the demo data"
 	@echo "make bench  the benchmarks in bench/ (see docs/performance.md)"
 
-setup: venv chromium demo-data
+setup: venv chromium nettools demo-data
 
 # Debian's Chromium, for the dashboard test (headless).
 chromium:
 	@command -v chromium >/dev/null || { \
 		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium >/dev/null; \
 		else sudo apt-get update -qq && sudo apt-get install -y -qq chromium >/dev/null; fi; }
+
+# iproute2 and iptables, for the tests that build networks in namespaces (root only: they
+# need root to run at all, and print "not run" without it).
+nettools:
+	@if [ "$$(id -u)" = 0 ]; then \
+		command -v ip >/dev/null && command -v iptables >/dev/null || { \
+			apt-get update -qq && apt-get install -y -qq iproute2 iptables >/dev/null; }; \
+	fi
 
 venv: $(VENV)/.ready
 

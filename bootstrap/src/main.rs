@@ -67,6 +67,10 @@ struct Args {
     /// Discover peers on the LAN with mDNS.
     #[arg(long)]
     mdns: bool,
+    /// As the AutoNAT server, also dial back peers seen at private and loopback addresses
+    /// (swarms inside one private network, test networks).
+    #[arg(long)]
+    autonat_private_ips: bool,
     /// Serve a JSON status (run, peer id, connected and topic peers) over HTTP on this
     /// address, e.g. 127.0.0.1:9090 (port 0 picks one; the address is printed as status=…).
     #[arg(long)]
@@ -153,6 +157,7 @@ async fn main() -> Result<()> {
     config.listen = args.listen.clone();
     config.bootstrap = args.peers.clone();
     config.mdns = args.mdns;
+    config.autonat_private_ips = args.autonat_private_ips;
     config.relay_max_circuits = args.relay_max_circuits;
     config.gossip_heartbeat = Duration::from_millis(200);
     let mut network = network::start(keypair, config).await?;

@@ -277,6 +277,11 @@ async fn connect(addr_file: &str, bytes: usize, link_mbit: Option<f64>) -> Resul
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    // RUST_LOG=yamux=debug shows the TCP muxer's window growth, for example.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     let args: Vec<String> = std::env::args().collect();
     let bytes: usize = arg(&args, "--bytes")
         .unwrap_or_else(|| (1usize << 30).to_string())

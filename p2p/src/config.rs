@@ -24,10 +24,16 @@ pub struct NetworkConfig {
     pub bootstrap: Vec<Multiaddr>,
     /// Discover peers on the LAN with mDNS.
     pub mdns: bool,
-    /// Also listen through a relay circuit on each bootstrap node, for a node that others
-    /// cannot dial (behind NAT or a firewall): peers reach it through the bootstrap's relay,
-    /// and DCUtR then tries a direct connection.
+    /// Listen through a relay circuit on each bootstrap node from the start, for a node that
+    /// others cannot dial (behind NAT or a firewall): peers reach it through the bootstrap's
+    /// relay, and DCUtR then tries a direct connection. Without it a node still does so
+    /// once AutoNAT finds it private.
     pub relay_listen: bool,
+    /// AutoNAT also works on private and loopback addresses (10/8, 192.168/16, …): as a
+    /// client it asks to be dialled back there, as a server it dials back a peer seen at one.
+    /// Off by default (libp2p's default): on the internet, a verdict about a private address
+    /// says nothing. For swarms inside one private network and networks built for tests.
+    pub autonat_private_ips: bool,
     /// Run Kademlia in server mode (answer queries, enter others' routing tables). Turn off
     /// for nodes that are not reachable from outside.
     pub kad_server: bool,
@@ -69,6 +75,7 @@ impl NetworkConfig {
             bootstrap: Vec::new(),
             mdns: false,
             relay_listen: false,
+            autonat_private_ips: false,
             kad_server: true,
             discovery_interval: Duration::from_secs(30),
             idle_connection_timeout: Duration::from_secs(600),

@@ -105,6 +105,10 @@ pub struct RoundRecord {
     pub control_messages: u64,
     /// Peers this node had a connection to when the round ended.
     pub connected_peers: usize,
+    /// AutoNAT's verdict when the round ended: `unknown`, `public` or `private`.
+    pub reachability: String,
+    /// Hole punches (relayed connections made direct) since the node started.
+    pub hole_punches: u64,
 }
 
 async fn join_opt<T>(handle: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
@@ -360,7 +364,12 @@ impl RoundDriver {
                         self.service.set_state(a.round + 1, state);
                         let mut record =
                             make_record(&me, a, &timing, finished.val_loss, payload_bytes);
-                        record.connected_peers = self.status.borrow().connected_peers;
+                        {
+                            let status = self.status.borrow();
+                            record.connected_peers = status.connected_peers;
+                            record.reachability = status.reachability.clone();
+                            record.hole_punches = status.hole_punches;
+                        }
                         record.control_messages =
                             control_counts.remove(&record.round).unwrap_or(0);
                         control_counts.retain(|&round, _| round > record.round);
@@ -678,6 +687,15 @@ impl RoundDriver {
                 });
                 return;
             }
+            NetworkEvent::Reachability(reachability) => {
+                self.status
+                    .send_modify(|s| s.reachability = reachability.as_str().into());
+                return;
+            }
+            NetworkEvent::HolePunched(_) => {
+                self.status.send_modify(|s| s.hole_punches += 1);
+                return;
+            }
             NetworkEvent::Subscribed(_) => return,
         };
         let result = match message.body {
@@ -777,6 +795,8 @@ fn make_record(
         }),
         control_messages: 0,
         connected_peers: 0,
+        reachability: String::new(),
+        hole_punches: 0,
     }
 }
 

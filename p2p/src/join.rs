@@ -10,7 +10,7 @@ use crate::driver::{DriverOptions, RoundDriver, RoundRecord};
 use crate::exchange::SendOptions;
 use crate::exchange_service::{ExchangeConfig, ExchangeService};
 use crate::manifest_service::verify_manifest_response;
-use crate::network::{self, peer_id_of};
+use crate::network::{self, peer_id_of, Reachability};
 use crate::schedule::{RoundSchedule, Timing};
 use crate::synthetic::SyntheticTrainer;
 use crate::upload_limit::{parse_rate, UploadLimiter};
@@ -82,10 +82,14 @@ pub struct JoinArgs {
     /// Discover peers on the LAN with mDNS.
     #[arg(long)]
     pub mdns: bool,
-    /// Also be reachable through a relay circuit on each bootstrap node (for a node that
-    /// others cannot dial: behind NAT or a firewall).
+    /// Listen through a relay circuit on each bootstrap node from the start (for a node that
+    /// others cannot dial: behind NAT or a firewall). Without it a node does so once AutoNAT
+    /// finds it private.
     #[arg(long)]
     pub relay: bool,
+    /// Let AutoNAT probe private and loopback addresses too (LANs, test networks).
+    #[arg(long)]
+    pub autonat_private_ips: bool,
     /// Kademlia client mode (for nodes not reachable from outside).
     #[arg(long)]
     pub kad_client: bool,
@@ -117,6 +121,7 @@ impl JoinArgs {
         c.bootstrap = self.bootstrap.clone();
         c.mdns = self.mdns;
         c.relay_listen = self.relay;
+        c.autonat_private_ips = self.autonat_private_ips;
         c.kad_server = !self.kad_client;
         c.idle_connection_timeout = Duration::from_secs(self.idle_connection_timeout_s);
         c.quic_max_idle_timeout = Duration::from_secs(self.quic_idle_timeout_s);
@@ -198,6 +203,7 @@ pub async fn run(
         peer_id: me.to_string(),
         run_id: run_id_hex.clone(),
         run_name: manifest.name.clone(),
+        reachability: Reachability::Unknown.as_str().into(),
         ..Default::default()
     });
     let metrics = NodeMetrics::register(&mut registry);

@@ -18,7 +18,7 @@ use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
 use libp2p::request_response::{self, OutboundRequestId};
 use libp2p::swarm::{ConnectionId, SwarmEvent};
-use libp2p::{dcutr, identify, kad, mdns, Multiaddr, PeerId, Swarm};
+use libp2p::{autonat, dcutr, identify, kad, mdns, Multiaddr, PeerId, Swarm};
 use prost::Message;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -30,6 +30,40 @@ pub fn unix_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+/// Whether other peers can dial this node, as AutoNAT last found (a bootstrap node, the
+/// AutoNAT server, dials the addresses this node was seen at).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reachability {
+    /// Not probed yet, or the probes disagree.
+    Unknown,
+    /// Dialled back at this address.
+    Public(Multiaddr),
+    /// Behind NAT or a firewall: peers reach it only through a relay circuit (which the node
+    /// then listens on) or after a hole punch.
+    Private,
+}
+
+impl Reachability {
+    /// `unknown`, `public` or `private` (the status document's word).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Reachability::Unknown => "unknown",
+            Reachability::Public(_) => "public",
+            Reachability::Private => "private",
+        }
+    }
+}
+
+impl From<autonat::NatStatus> for Reachability {
+    fn from(status: autonat::NatStatus) -> Self {
+        match status {
+            autonat::NatStatus::Public(address) => Reachability::Public(address),
+            autonat::NatStatus::Private => Reachability::Private,
+            autonat::NatStatus::Unknown => Reachability::Unknown,
+        }
+    }
 }
 
 /// What the event loop reports.
@@ -44,6 +78,10 @@ pub enum NetworkEvent {
     Subscribed(PeerId),
     Connected(PeerId),
     Disconnected(PeerId),
+    /// AutoNAT changed its verdict on this node's reachability.
+    Reachability(Reachability),
+    /// DCUtR turned a relayed connection to this peer into a direct one (a hole punch).
+    HolePunched(PeerId),
 }
 
 /// Requests to the event loop.
@@ -256,8 +294,10 @@ pub async fn start_with_metrics(
         pending_manifest: HashMap::new(),
         pending_dials: HashMap::new(),
         bootstrap_peers,
+        bootstrap_links: HashMap::new(),
         relayed: HashMap::new(),
         relay_circuits: HashSet::new(),
+        reachability: Reachability::Unknown,
         lookups: HashMap::new(),
         metrics,
     };
@@ -286,9 +326,14 @@ pub struct EventLoop {
     pending_manifest: HashMap<OutboundRequestId, oneshot::Sender<Result<ManifestResponse, String>>>,
     pending_dials: HashMap<ConnectionId, oneshot::Sender<Result<(), String>>>,
     bootstrap_peers: HashSet<PeerId>,
+    /// The address this node dialled each connected bootstrap node at (a relay circuit on
+    /// it is reached through there).
+    bootstrap_links: HashMap<PeerId, Multiaddr>,
     relayed: HashMap<PeerId, Vec<ConnectionId>>,
     /// Bootstrap nodes this node listens through (a relay circuit each).
     relay_circuits: HashSet<PeerId>,
+    /// AutoNAT's last verdict on this node.
+    reachability: Reachability,
     /// When a Kademlia lookup for a control-message author was last started.
     lookups: HashMap<PeerId, Instant>,
     metrics: Option<libp2p::metrics::Metrics>,
@@ -442,8 +487,9 @@ impl EventLoop {
                             .kad
                             .add_address(&peer_id, address.clone());
                         let _ = self.swarm.behaviour_mut().kad.bootstrap();
-                        if self.config.relay_listen && self.relay_circuits.insert(peer_id) {
-                            self.listen_through_relay(peer_id, address.clone());
+                        self.bootstrap_links.insert(peer_id, address.clone());
+                        if self.config.relay_listen || self.reachability == Reachability::Private {
+                            self.listen_through_relay(peer_id);
                         }
                     }
                 }
@@ -511,13 +557,23 @@ impl EventLoop {
             }
             GaslocBehaviourEvent::Dcutr(dcutr::Event {
                 remote_peer_id,
-                result: Ok(_),
-            }) => {
-                // libp2p-stream picks a random connection: drop the relayed ones once a
-                // direct connection exists, so bulk transfers never use a relay circuit.
-                for id in self.relayed.remove(&remote_peer_id).unwrap_or_default() {
-                    self.swarm.close_connection(id);
+                result,
+            }) => match result {
+                Ok(_) => {
+                    tracing::info!(peer = %remote_peer_id, "direct connection through a hole punch");
+                    // libp2p-stream picks a random connection: drop the relayed ones once a
+                    // direct connection exists, so bulk transfers never use a relay circuit.
+                    for id in self.relayed.remove(&remote_peer_id).unwrap_or_default() {
+                        self.swarm.close_connection(id);
+                    }
+                    self.emit(NetworkEvent::HolePunched(remote_peer_id));
                 }
+                Err(error) => {
+                    tracing::info!(peer = %remote_peer_id, %error, "hole punch failed; the relay circuit stays")
+                }
+            },
+            GaslocBehaviourEvent::Autonat(autonat::Event::StatusChanged { new, .. }) => {
+                self.on_reachability(new.into())
             }
             GaslocBehaviourEvent::Gossipsub(gossipsub::Event::SlowPeer {
                 peer_id,
@@ -567,10 +623,39 @@ impl EventLoop {
         }
     }
 
-    /// Listens through a relay circuit on `relay` (reached at `address`): peers that cannot
-    /// dial this node directly reach it at `<address>/p2p/<relay>/p2p-circuit/p2p/<me>`.
-    fn listen_through_relay(&mut self, relay: PeerId, address: Multiaddr) {
-        let mut circuit = address;
+    /// AutoNAT's new verdict: reported, and a node nobody can dial listens through a relay
+    /// circuit on each bootstrap node it is connected to (as `--relay` does from the start).
+    fn on_reachability(&mut self, reachability: Reachability) {
+        match &reachability {
+            Reachability::Public(address) => {
+                tracing::info!(%address, "reachability: public (AutoNAT dialled this node back)")
+            }
+            Reachability::Private => tracing::info!(
+                "reachability: private (AutoNAT could not dial this node back); listening through the bootstrap nodes' relays"
+            ),
+            Reachability::Unknown => tracing::info!("reachability: unknown"),
+        }
+        self.reachability = reachability.clone();
+        if reachability == Reachability::Private && self.config.role == Role::Node {
+            let relays: Vec<PeerId> = self.bootstrap_links.keys().copied().collect();
+            for relay in relays {
+                self.listen_through_relay(relay);
+            }
+        }
+        self.emit(NetworkEvent::Reachability(reachability));
+    }
+
+    /// Listens through a relay circuit on bootstrap node `relay` (once per relay): peers that
+    /// cannot dial this node directly reach it at `<address>/p2p/<relay>/p2p-circuit/p2p/<me>`,
+    /// where `address` is where this node dialled the relay.
+    fn listen_through_relay(&mut self, relay: PeerId) {
+        let Some(address) = self.bootstrap_links.get(&relay) else {
+            return;
+        };
+        if !self.relay_circuits.insert(relay) {
+            return;
+        }
+        let mut circuit = address.clone();
         if matches!(circuit.iter().last(), Some(Protocol::P2p(_))) {
             circuit.pop();
         }

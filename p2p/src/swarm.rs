@@ -163,7 +163,13 @@ fn build_behaviour(
         relay_client,
         relay_server: relay_server.into(),
         dcutr: dcutr.into(),
-        autonat: autonat::Behaviour::new(peer_id, autonat::Config::default()),
+        autonat: autonat::Behaviour::new(
+            peer_id,
+            autonat::Config {
+                only_global_ips: !config.autonat_private_ips,
+                ..Default::default()
+            },
+        ),
         mdns: mdns.into(),
     })
 }

@@ -48,6 +48,11 @@ pub fn format_status(s: &NodeStatus) -> String {
     );
     let _ = writeln!(
         out,
+        "network   reachability {}   hole punches {}",
+        s.reachability, s.hole_punches
+    );
+    let _ = writeln!(
+        out,
         "loss      train {}   val {}",
         loss(s.train_loss),
         loss(s.val_loss)

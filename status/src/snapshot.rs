@@ -88,6 +88,11 @@ pub struct NodeStatus {
     pub wait_s: f64,
     /// Peers this node is connected to.
     pub connected_peers: usize,
+    /// Whether other peers can dial this node, as AutoNAT last found: `unknown`, `public`
+    /// or `private` (then it listens through the bootstrap nodes' relays).
+    pub reachability: String,
+    /// Relayed connections DCUtR turned into direct ones (hole punches) since the start.
+    pub hole_punches: u64,
     /// Recent rounds, oldest first, at most [`HISTORY_ROUNDS`].
     pub history: VecDeque<RoundRecord>,
 }

@@ -360,6 +360,22 @@ impl Namespaces {
         }
     }
 
+    /// Runs `args` (a program and its arguments) inside namespace `index` and asserts that
+    /// it succeeded: setup such as `sysctl`, `ip route` or `iptables`.
+    pub fn run(&self, index: usize, args: &[&str]) {
+        let out = self
+            .command(index, args[0])
+            .args(&args[1..])
+            .output()
+            .unwrap_or_else(|e| panic!("{args:?} does not run: {e}"));
+        assert!(
+            out.status.success(),
+            "{args:?} in {}: {}",
+            self.names[index],
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
     /// `program` run inside namespace `index` (`ip netns exec`).
     pub fn command(&self, index: usize, program: impl AsRef<std::ffi::OsStr>) -> Command {
         let mut command = Command::new("ip");
