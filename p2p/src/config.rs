@@ -35,7 +35,8 @@ pub struct NetworkConfig {
     /// says nothing. For swarms inside one private network and networks built for tests.
     pub autonat_private_ips: bool,
     /// Run Kademlia in server mode (answer queries, enter others' routing tables). Turn off
-    /// for nodes that are not reachable from outside.
+    /// for nodes that are not reachable from outside; a node that AutoNAT finds private
+    /// switches to client mode by itself.
     pub kad_server: bool,
     /// How often Kademlia re-runs its bootstrap query (discovers new members).
     pub discovery_interval: Duration,

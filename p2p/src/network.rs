@@ -624,22 +624,35 @@ impl EventLoop {
     }
 
     /// AutoNAT's new verdict: reported, and a node nobody can dial listens through a relay
-    /// circuit on each bootstrap node it is connected to (as `--relay` does from the start).
+    /// circuit on each bootstrap node it is connected to (as `--relay` does from the start)
+    /// and answers no Kademlia queries (others would put its unreachable addresses in their
+    /// routing tables); found public again, it serves Kademlia again if configured to.
     fn on_reachability(&mut self, reachability: Reachability) {
         match &reachability {
             Reachability::Public(address) => {
                 tracing::info!(%address, "reachability: public (AutoNAT dialled this node back)")
             }
             Reachability::Private => tracing::info!(
-                "reachability: private (AutoNAT could not dial this node back); listening through the bootstrap nodes' relays"
+                "reachability: private (AutoNAT could not dial this node back); listening through the bootstrap nodes' relays, Kademlia in client mode"
             ),
             Reachability::Unknown => tracing::info!("reachability: unknown"),
         }
         self.reachability = reachability.clone();
-        if reachability == Reachability::Private && self.config.role == Role::Node {
-            let relays: Vec<PeerId> = self.bootstrap_links.keys().copied().collect();
-            for relay in relays {
-                self.listen_through_relay(relay);
+        if self.config.role == Role::Node {
+            match reachability {
+                Reachability::Private => {
+                    let kad = &mut self.swarm.behaviour_mut().kad;
+                    kad.set_mode(Some(kad::Mode::Client));
+                    let relays: Vec<PeerId> = self.bootstrap_links.keys().copied().collect();
+                    for relay in relays {
+                        self.listen_through_relay(relay);
+                    }
+                }
+                Reachability::Public(_) if self.config.kad_server => {
+                    let kad = &mut self.swarm.behaviour_mut().kad;
+                    kad.set_mode(Some(kad::Mode::Server));
+                }
+                _ => {}
             }
         }
         self.emit(NetworkEvent::Reachability(reachability));
