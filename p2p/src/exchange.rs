@@ -1,14 +1,14 @@
 //! The exchange wire protocol over any byte stream: headers, chunks, checks, refusals.
 //!
-//! This module owns what one side of `/gasloc/exchange/1` and `/gasloc/state/1` writes and
+//! This module owns what one side of `/gasloc/exchange/2` and `/gasloc/state/1` writes and
 //! what it accepts; it does no networking of its own (see `exchange_service`), so it runs
 //! over a libp2p stream as well as over an in-memory pipe. Nothing a peer sends is trusted:
 //! every length is bounded before allocation, every chunk and tensor checksum is verified,
 //! and a result is only returned once the whole payload has passed every check.
 
 use crate::frames::{
-    expect_end, read_frame, read_frame_prefix, write_frame, FrameError, FRAME_CHUNK, FRAME_HEADER,
-    FRAME_REFUSAL, FRAME_STATE_REQUEST,
+    expect_end, read_frame, read_frame_prefix, write_frame, FrameError, FRAME_CHUNK, FRAME_DONE,
+    FRAME_HEADER, FRAME_REFUSAL, FRAME_STATE_REQUEST,
 };
 use crate::tensors::{Tensor, TensorSet, TensorSpec};
 use crate::upload_limit::UploadLimiter;
@@ -403,8 +403,22 @@ pub async fn read_checked_header<R: AsyncRead + Unpin>(
     }
 }
 
-/// Reads every chunk announced by a checked header, verifies it and assembles the tensors.
+/// Reads every chunk announced by a checked header, verifies it and assembles the tensors;
+/// the stream must end there (state sync).
 pub async fn receive_tensors<R: AsyncRead + Unpin>(
+    r: &mut R,
+    header: &ExchangeHeader,
+) -> Result<TensorSet, ExchangeError> {
+    let tensors = read_tensors(r, header).await?;
+    expect_end(r).await.map_err(|_| ExchangeError::Malformed {
+        what: "stream",
+        detail: "bytes after the last chunk".into(),
+    })?;
+    Ok(tensors)
+}
+
+/// Reads every chunk announced by a checked header, verifies it and assembles the tensors.
+async fn read_tensors<R: AsyncRead + Unpin>(
     r: &mut R,
     header: &ExchangeHeader,
 ) -> Result<TensorSet, ExchangeError> {
@@ -495,11 +509,31 @@ pub async fn receive_tensors<R: AsyncRead + Unpin>(
             data,
         });
     }
+    Ok(TensorSet::new(tensors))
+}
+
+/// The end of an exchange, once both payloads went through: tells the peer that its payload
+/// arrived whole (a done frame), closes this side, and waits for the peer's done frame, which
+/// says that it verified this node's payload. Both sides therefore agree on whether the
+/// exchange succeeded (both mix, or neither), and a node may go away as soon as this returns:
+/// nothing of its payload is still in flight.
+async fn finish_exchange<R, W>(r: &mut R, w: &mut W) -> Result<(), ExchangeError>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    write_frame(w, FRAME_DONE, &[]).await?;
+    w.close().await?;
+    let (kind, _) = read_frame(r, |_| 0)
+        .await
+        .map_err(|e| ExchangeError::from_frame(e, "the peer's done frame"))?;
+    if kind != FRAME_DONE {
+        return Err(ExchangeError::UnexpectedFrame(kind));
+    }
     expect_end(r).await.map_err(|_| ExchangeError::Malformed {
         what: "stream",
-        detail: "bytes after the last chunk".into(),
-    })?;
-    Ok(TensorSet::new(tensors))
+        detail: "bytes after the done frame".into(),
+    })
 }
 
 /// Upper bound of an encoded chunk of `raw_len` bytes.
@@ -555,9 +589,9 @@ where
     }
 }
 
-/// The opening side of `/gasloc/exchange/1`: writes its header and payload while reading
-/// the responder's. Returns the responder's tensors and when its header arrived (the
-/// responder sends it once its own payload is ready).
+/// The opening side of `/gasloc/exchange/2`: writes its header and payload while reading
+/// the responder's, then the done frames. Returns the responder's tensors and when its
+/// header arrived (the responder sends it once its own payload is ready).
 pub async fn run_initiator<S: AsyncRead + AsyncWrite + Unpin>(
     stream: S,
     my_header: &ExchangeHeader,
@@ -566,17 +600,19 @@ pub async fn run_initiator<S: AsyncRead + AsyncWrite + Unpin>(
     limits: &ExchangeLimits,
 ) -> Result<(TensorSet, tokio::time::Instant), ExchangeError> {
     let (mut r, mut w) = stream.split();
-    let send = send_and_close(&mut w, my_header, payload);
+    let send = async { send_payload(&mut w, my_header, payload).await.map(|_| ()) };
     let receive = async {
         let header = read_checked_header(&mut r, expect, limits).await?;
         let header_at = tokio::time::Instant::now();
-        Ok((receive_tensors(&mut r, &header).await?, header_at))
+        Ok((read_tensors(&mut r, &header).await?, header_at))
     };
-    send_and_receive(send, receive).await
+    let received = send_and_receive(send, receive).await?;
+    finish_exchange(&mut r, &mut w).await?;
+    Ok(received)
 }
 
-/// The accepting side of `/gasloc/exchange/1` once the initiator's header has been read and
-/// checked: writes our payload while reading theirs.
+/// The accepting side of `/gasloc/exchange/2` once the initiator's header has been read and
+/// checked: writes our payload while reading theirs, then the done frames.
 pub async fn run_responder<S: AsyncRead + AsyncWrite + Unpin>(
     stream: S,
     their_header: &ExchangeHeader,
@@ -584,9 +620,11 @@ pub async fn run_responder<S: AsyncRead + AsyncWrite + Unpin>(
     payload: &OutgoingPayload,
 ) -> Result<TensorSet, ExchangeError> {
     let (mut r, mut w) = stream.split();
-    let send = send_and_close(&mut w, my_header, payload);
-    let receive = receive_tensors(&mut r, their_header);
-    send_and_receive(send, receive).await
+    let send = async { send_payload(&mut w, my_header, payload).await.map(|_| ()) };
+    let receive = read_tensors(&mut r, their_header);
+    let received = send_and_receive(send, receive).await?;
+    finish_exchange(&mut r, &mut w).await?;
+    Ok(received)
 }
 
 /// Encodes a state-sync request frame.

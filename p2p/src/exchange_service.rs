@@ -1,4 +1,4 @@
-//! The exchange and state-sync services on a live swarm: `/gasloc/exchange/1` and
+//! The exchange and state-sync services on a live swarm: `/gasloc/exchange/2` and
 //! `/gasloc/state/1`.
 //!
 //! [`ExchangeService::exchange_round`] swaps payloads with a round's neighbours: for each
@@ -23,7 +23,7 @@ use std::time::Duration;
 use tokio::sync::{broadcast, oneshot, Notify, Semaphore};
 use tokio::time::Instant;
 
-pub const EXCHANGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/gasloc/exchange/1");
+pub const EXCHANGE_PROTOCOL: StreamProtocol = StreamProtocol::new("/gasloc/exchange/2");
 pub const STATE_PROTOCOL: StreamProtocol = StreamProtocol::new("/gasloc/state/1");
 
 /// Settings of the exchange service.

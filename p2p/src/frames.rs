@@ -13,6 +13,9 @@ pub const FRAME_CHUNK: u8 = 2;
 pub const FRAME_REFUSAL: u8 = 3;
 /// Body: a `StateRequest` (protobuf).
 pub const FRAME_STATE_REQUEST: u8 = 4;
+/// Empty body: the sender received the peer's whole payload and verified it (the last frame
+/// of each side of an exchange).
+pub const FRAME_DONE: u8 = 5;
 
 /// Why a frame could not be read.
 #[derive(Debug, thiserror::Error)]

@@ -3,7 +3,7 @@
 //! - [`swarm`], [`config`], [`network`]: the libp2p swarm and the event loop that owns it.
 //! - [`control`]: the run's gossipsub control plane and its validation.
 //! - [`schedule`], [`permutation`]: commit-reveal and the round's neighbours (sans-IO).
-//! - [`frames`], [`exchange`], [`exchange_service`]: tensor exchange on `/gasloc/exchange/1`
+//! - [`frames`], [`exchange`], [`exchange_service`]: tensor exchange on `/gasloc/exchange/2`
 //!   and state sync on `/gasloc/state/1`.
 //! - [`manifest_service`]: the manifest request-response protocol.
 //! - [`identity`]: the persisted node key.

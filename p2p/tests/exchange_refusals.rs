@@ -1,12 +1,13 @@
-//! Every bad input on `/gasloc/exchange/1` is refused with a logged reason and leaves the
+//! Every bad input on `/gasloc/exchange/2` is refused with a logged reason and leaves the
 //! receiver without a result; a partner killed mid-transfer costs at most the deadline.
 
 mod common;
 
 use common::*;
-use futures::AsyncWriteExt;
+use futures::{AsyncReadExt, AsyncWriteExt};
 use gasloc_p2p::exchange::{
-    read_first_frame, ExchangeError, ExchangeLimits, FirstFrame, OutgoingPayload, SendOptions,
+    read_first_frame, send_payload, ExchangeError, ExchangeLimits, FirstFrame, OutgoingPayload,
+    SendOptions,
 };
 use gasloc_p2p::exchange_service::{
     ExchangeResults, ExchangeService, InboundReport, EXCHANGE_PROTOCOL,
@@ -158,6 +159,37 @@ async fn corrupted_chunk_is_refused() {
         "{:?}",
         results[0].1
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partner_that_never_confirms_our_payload_leaves_no_result() {
+    // A valid header and payload, but the stream ends without the done frame that says the
+    // partner received and verified ours: it may not have it, so neither side mixes.
+    let s = setup().await;
+    let mut reports = s.service.reports();
+    let task = victim_round(&s, ROUND, vec![s.attacker.client.peer_id()]).await;
+    let mut bytes = Vec::new();
+    send_payload(&mut bytes, &valid_header(&s, ROUND), &s.payload)
+        .await
+        .unwrap();
+    let mut control = s.attacker.client.stream_control();
+    let mut stream = control
+        .open_stream(s.victim.client.peer_id(), EXCHANGE_PROTOCOL)
+        .await
+        .expect("victim accepts the protocol");
+    stream.write_all(&bytes).await.unwrap();
+    stream.close().await.unwrap();
+    // Everything the victim sends is read (its payload and its done frame), so the only
+    // thing missing on its side is ours.
+    let mut theirs = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut theirs))
+        .await
+        .expect("the victim ends its side in time")
+        .unwrap();
+    let report = next_report(&mut reports).await;
+    let outcome = report.outcome.unwrap_err();
+    assert!(outcome.contains("done frame"), "{outcome}");
+    assert_untouched(task).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -72,6 +72,63 @@ async fn zstd_encoded_exchange_round_trips() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_leaves_as_soon_as_its_exchange_returns_cuts_nothing() {
+    // An exchange returns only once the partner confirmed that our payload arrived whole, so
+    // a node may shut its swarm down right away (as `join` does after its last round). Over
+    // QUIC a finished stream may still hold megabytes in the send buffer; without the
+    // confirmation the partner would lose them.
+    init_tracing();
+    let keys = sorted_keypairs(2);
+    let a = start(keys[0].clone(), Transport::Quic, vec![]).await;
+    let b = start(keys[1].clone(), Transport::Quic, vec![full_addr(&a)]).await;
+    let (pa, pb) = (a.client.peer_id(), b.client.peer_id());
+    wait_connected(&b, pa).await;
+    let (sa, sb) = (service(&a), service(&b));
+    let timeout = Duration::from_secs(120);
+    let (to_b, to_a) = ([pb], [pa]);
+    for round in 0..3u64 {
+        let set_a = Arc::new(TensorSet::synthetic(2, 8 << 20, 10 + round));
+        let set_b = Arc::new(TensorSet::synthetic(2, 8 << 20, 20 + round));
+        let table = Arc::new(set_a.specs());
+        let pay = |set: &Arc<TensorSet>| {
+            Arc::new(OutgoingPayload::new(
+                PayloadKind::Model,
+                set.clone(),
+                SendOptions::default(),
+            ))
+        };
+        let (pay_a, pay_b) = (pay(&set_a), pay(&set_b));
+        let leaving = round == 2;
+        let a_side = async {
+            let result = sa
+                .exchange_round(round, &to_b, pay_a, Some(table.clone()), timeout)
+                .await;
+            if leaving {
+                a.client.shutdown().await;
+            }
+            result
+        };
+        let (ra, rb) = tokio::join!(
+            a_side,
+            sb.exchange_round(round, &to_a, pay_b, Some(table.clone()), timeout)
+        );
+        let got_b = ra
+            .into_iter()
+            .next()
+            .unwrap()
+            .1
+            .expect("a receives b's payload");
+        let got_a = rb
+            .into_iter()
+            .next()
+            .unwrap()
+            .1
+            .expect("b receives a's payload");
+        assert!(got_a.tensors == *set_a && got_b.tensors == *set_b);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_arrives_before_the_responder_reaches_the_round_waits_for_it() {
     init_tracing();
     let keys = sorted_keypairs(2);
