@@ -632,15 +632,18 @@ impl EventLoop {
             Reachability::Public(address) => {
                 tracing::info!(%address, "reachability: public (AutoNAT dialled this node back)")
             }
-            Reachability::Private => tracing::info!(
-                "reachability: private (AutoNAT could not dial this node back); listening through the bootstrap nodes' relays, Kademlia in client mode"
-            ),
+            Reachability::Private => {
+                tracing::info!("reachability: private (AutoNAT could not dial this node back)")
+            }
             Reachability::Unknown => tracing::info!("reachability: unknown"),
         }
         self.reachability = reachability.clone();
         if self.config.role == Role::Node {
             match reachability {
                 Reachability::Private => {
+                    tracing::info!(
+                        "listening through the bootstrap nodes' relays; Kademlia in client mode"
+                    );
                     let kad = &mut self.swarm.behaviour_mut().kad;
                     kad.set_mode(Some(kad::Mode::Client));
                     let relays: Vec<PeerId> = self.bootstrap_links.keys().copied().collect();
