@@ -8,7 +8,8 @@
 //! on a public address. Nobody can open a connection to A or B from outside; A and B can open
 //! connections out. All three nodes run the synthetic trainer over QUIC, one-peer, without
 //! `--relay`. The test creates and removes its namespaces; it needs root and `iptables`
-//! (`make test` installs it when it runs as root).
+//! (`make test` installs it when it runs as root). `NAT_TEST_LOG` sets the nodes' `RUST_LOG`
+//! (e.g. `info,libp2p_dcutr=debug`).
 
 use gasloc_tests::{
     built_binary, is_root, read_report, synthetic_run, wait_for_file, Namespaces, Proc,
@@ -193,7 +194,7 @@ fn nodes_behind_nat_find_out_relay_and_punch_a_hole_to_each_other() {
     }
     let last = |records: &[serde_json::Value], key: &str| records.last().unwrap()[key].clone();
 
-    // AutoNAT: the bootstrap could not dial A or B back, but could dial C.
+    // AutoNAT: nobody could dial A or B back at their NAT's public address; C could be.
     assert_eq!(last(a, "reachability"), "private", "A:\n{a_log}");
     assert_eq!(last(b, "reachability"), "private", "B:\n{b_log}");
     assert_eq!(last(c, "reachability"), "public", "C:\n{c_log}");
