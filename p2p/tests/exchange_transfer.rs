@@ -15,13 +15,8 @@ async fn exchange_pair(
     tensors: usize,
     zstd_level: Option<i32>,
 ) {
-    init_tracing();
-    let keys = sorted_keypairs(2);
-    let a = start(keys[0].clone(), transport, vec![]).await;
-    let b = start(keys[1].clone(), transport, vec![full_addr(&a)]).await;
+    let ((a, sa), (b, sb)) = connected_pair(transport).await;
     let (pa, pb) = (a.client.peer_id(), b.client.peer_id());
-    wait_connected(&a, pb).await;
-    let (sa, sb) = (service(&a), service(&b));
     let set_a = Arc::new(TensorSet::synthetic(tensors, bytes_each, 1));
     let set_b = Arc::new(TensorSet::synthetic(tensors, bytes_each, 2));
     let table = Arc::new(set_a.specs());
@@ -77,13 +72,8 @@ async fn a_node_that_leaves_as_soon_as_its_exchange_returns_cuts_nothing() {
     // a node may shut its swarm down right away (as `join` does after its last round). Over
     // QUIC a finished stream may still hold megabytes in the send buffer; without the
     // confirmation the partner would lose them.
-    init_tracing();
-    let keys = sorted_keypairs(2);
-    let a = start(keys[0].clone(), Transport::Quic, vec![]).await;
-    let b = start(keys[1].clone(), Transport::Quic, vec![full_addr(&a)]).await;
+    let ((a, sa), (b, sb)) = connected_pair(Transport::Quic).await;
     let (pa, pb) = (a.client.peer_id(), b.client.peer_id());
-    wait_connected(&b, pa).await;
-    let (sa, sb) = (service(&a), service(&b));
     let timeout = Duration::from_secs(120);
     let (to_b, to_a) = ([pb], [pa]);
     for round in 0..3u64 {
@@ -130,13 +120,8 @@ async fn a_node_that_leaves_as_soon_as_its_exchange_returns_cuts_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_arrives_before_the_responder_reaches_the_round_waits_for_it() {
-    init_tracing();
-    let keys = sorted_keypairs(2);
-    let a = start(keys[0].clone(), Transport::Tcp, vec![]).await;
-    let b = start(keys[1].clone(), Transport::Tcp, vec![full_addr(&a)]).await;
+    let ((a, sa), (b, sb)) = connected_pair(Transport::Tcp).await;
     let (pa, pb) = (a.client.peer_id(), b.client.peer_id());
-    wait_connected(&a, pb).await;
-    let (sa, sb) = (service(&a), service(&b));
     let pay = Arc::new(OutgoingPayload::new(
         PayloadKind::Model,
         Arc::new(TensorSet::synthetic(1, 1 << 20, 5)),

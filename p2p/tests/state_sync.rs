@@ -11,12 +11,7 @@ use std::time::Duration;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_joining_node_fetches_the_current_state_or_a_clear_refusal() {
-    init_tracing();
-    let keys = sorted_keypairs(2);
-    let live = start(keys[0].clone(), Transport::Quic, vec![]).await;
-    let joiner = start(keys[1].clone(), Transport::Quic, vec![full_addr(&live)]).await;
-    wait_connected(&joiner, live.client.peer_id()).await;
-    let (live_service, joiner_service) = (service(&live), service(&joiner));
+    let ((live, live_service), (_joiner, joiner_service)) = connected_pair(Transport::Quic).await;
 
     // Nothing to share yet: a refusal that says so.
     let err = joiner_service

@@ -114,6 +114,13 @@ impl Proc {
         );
     }
 
+    /// Waits (bounded) for the process to exit and asserts that it succeeded; the panic
+    /// names the process and shows its last stderr lines.
+    pub fn expect_success(&mut self, bound: Duration) {
+        let succeeded = self.wait_exit(bound);
+        assert!(succeeded, "{} failed:\n{}", self.name, self.stderr_tail());
+    }
+
     /// SIGTERM (the node leaves cleanly).
     pub fn terminate(&self) {
         // SAFETY: kill(2) on our own child's pid.

@@ -153,12 +153,7 @@ fn run(dir: &Path) -> Vec<(Vec<serde_json::Value>, String)> {
     };
     let mut nodes = [node(NODE_A, "a"), node(NODE_B, "b"), node(NODE_C, "c")];
     for node in &mut nodes {
-        assert!(
-            node.wait_exit(Duration::from_secs(120)),
-            "{} failed:\n{}",
-            node.name,
-            node.stderr_tail()
-        );
+        node.expect_success(Duration::from_secs(120));
     }
     nodes
         .iter()

@@ -62,12 +62,7 @@ fn run(dir: &Path, b_relays: bool) -> [Vec<serde_json::Value>; 2] {
     };
     let mut nodes = [node(1, "a", false), node(2, "b", b_relays)];
     for node in &mut nodes {
-        assert!(
-            node.wait_exit(Duration::from_secs(60)),
-            "{} failed:\n{}",
-            node.name,
-            node.stderr_tail()
-        );
+        node.expect_success(Duration::from_secs(60));
     }
     [read_report(&dir.join("a")), read_report(&dir.join("b"))]
 }

@@ -148,12 +148,7 @@ fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
         node.terminate();
     }
     for node in &mut nodes {
-        assert!(
-            node.wait_exit(Duration::from_secs(60)),
-            "{} did not leave cleanly:\n{}",
-            node.name,
-            node.stderr_tail()
-        );
+        node.expect_success(Duration::from_secs(60));
         assert!(node.output().contains("left rounds="), "{}", node.name);
     }
 

@@ -104,12 +104,7 @@ fn four_nodes_on_a_two_peer_ring_learn_and_other_runs_are_refused() {
     );
 
     for node in &mut nodes {
-        assert!(
-            node.wait_exit(Duration::from_secs(120)),
-            "{}:\n{}",
-            node.name,
-            node.stderr_tail()
-        );
+        node.expect_success(Duration::from_secs(120));
     }
     for i in 1..=4 {
         let records = read_report(&home(i));

@@ -48,12 +48,7 @@ fn nodes_of_two_bootstraps_form_one_swarm() {
         })
         .collect();
     for (node, _) in &mut nodes {
-        assert!(
-            node.wait_exit(Duration::from_secs(90)),
-            "{}:\n{}",
-            node.name,
-            node.stderr_tail()
-        );
+        node.expect_success(Duration::from_secs(90));
     }
     let reports: Vec<_> = nodes.iter().map(|(_, home)| read_report(home)).collect();
     let mut full_rounds = 0;

@@ -65,6 +65,21 @@ pub fn service(network: &Network) -> ExchangeService {
     .expect("exchange service registers its protocols")
 }
 
+/// Two swarms on loopback, connected, each with its exchange service; the first has the
+/// smaller peer id (it opens the exchange streams).
+pub async fn connected_pair(
+    transport: Transport,
+) -> ((Network, ExchangeService), (Network, ExchangeService)) {
+    init_tracing();
+    let keys = sorted_keypairs(2);
+    let a = start(keys[0].clone(), transport, vec![]).await;
+    let b = start(keys[1].clone(), transport, vec![full_addr(&a)]).await;
+    wait_connected(&a, b.client.peer_id()).await;
+    wait_connected(&b, a.client.peer_id()).await;
+    let (sa, sb) = (service(&a), service(&b));
+    ((a, sa), (b, sb))
+}
+
 /// Waits (bounded) until `network` is connected to `peer`.
 pub async fn wait_connected(network: &Network, peer: PeerId) {
     for _ in 0..200 {
