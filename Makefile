@@ -11,10 +11,10 @@ PYTHON  := $(VENV)/bin/python
 DATA    := $(CURDIR)/datasets
 TORCH_VERSION := 2.11.0
 
-# tch's build script asks the `python3` on PATH where torch is (LIBTORCH_USE_PYTORCH=1);
-# node/build.rs asks the same one for the rpath.
+# tch's build script (and node/build.rs, for the rpath) find torch through LIBTORCH, set in
+# .cargo/config.toml to .venv/torch: a link to the wheel's torch package, made by `venv`.
+# So a plain `cargo build` or `cargo test` works in a checkout where `make setup` ran.
 export PATH := $(VENV)/bin:$(PATH)
-export LIBTORCH_USE_PYTORCH := 1
 export GASLOC_PYTHON := $(PYTHON)
 
 NODE := target/debug/gasloc-node
@@ -43,7 +43,7 @@ nettools:
 			apt-get update -qq && apt-get install -y -qq iproute2 iptables >/dev/null; }; \
 	fi
 
-venv: $(VENV)/.ready
+venv: $(VENV)/.ready $(VENV)/torch
 
 $(VENV)/.ready:
 	@command -v python3 >/dev/null || { echo "python3 is needed (3.10+)"; exit 1; }
@@ -52,6 +52,10 @@ $(VENV)/.ready:
 		"torch==$(TORCH_VERSION)" numpy transformers safetensors
 	$(PYTHON) -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 	touch $@
+
+# The link LIBTORCH names (.cargo/config.toml).
+$(VENV)/torch: $(VENV)/.ready
+	ln -sfn "$$($(PYTHON) -c 'import os, torch; print(os.path.dirname(torch.__file__))')" $@
 
 build: venv
 	cargo build --workspace
