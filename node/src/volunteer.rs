@@ -8,12 +8,15 @@
 //! 1. **train**: H_i inner AdamW steps from the anchor. With `adaptive_inner_steps`, as many
 //!    steps as fit before the driver's deadline (the round's end less the predicted exchange
 //!    and outer step, `ALGORITHMS.md` §2) at `t_step`, the moving average of this node's
-//!    measured step time: `H_i = clamp(floor(budget / t_step), H_min, H_max)`; otherwise H.
+//!    measured step time: `H_i = clamp(floor(budget / t_step), H_min, H_max)`, the
+//!    simulator's function (`gasloc_proto::pace`); otherwise H.
 //!    The payload is the local model `x_i` (fp32 or bf16, `[outer] payload`).
-//! 2. **finish**: the uniform mix of `x_i` and every neighbour's model that arrived (a
-//!    neighbour that did not is left out and the weights renormalised), as a pseudo-gradient
+//! 2. **finish**: the mix `x̄_i = Σ_j w_ij x_j` with the row the round machine hands over
+//!    (the round topology's row, a neighbour that sent nothing usable removed and its weight
+//!    returned to self: ⅔ / ⅓ in two-peer with one missing), as a pseudo-gradient
 //!    `Δ_i = θ_i − x̄_i`, then the outer Nesterov step on `θ_i` — the same functions as the
-//!    simulator (`algo::outer`). The new anchor is evaluated and, every K rounds, saved.
+//!    simulator (`algo::outer`, `topology::Topology::round_row`). The new anchor is
+//!    evaluated and, every K rounds, saved.
 //!
 //! The state served to late joiners is the anchor and the outer momentum, named
 //! `anchor.<param>` and `outer_momentum.<param>` (fp32). A checkpoint is the anchor as an HF
@@ -30,7 +33,7 @@ use gasloc_p2p::tensors::{Tensor as WireTensor, TensorSet, TensorSpec};
 use gasloc_p2p::work::{Finished, Received, RoundWork, TrainOrder, Trained, WorkFuture};
 use gasloc_p2p::PeerId;
 use gasloc_proto::manifest::{Algorithm, InnerOptimizerKind, Payload};
-use gasloc_proto::topology::MixingRow;
+use gasloc_proto::pace::{InnerSteps, MovingAverage};
 use gasloc_proto::wire::DType;
 use gasloc_proto::RunManifest;
 use sha2::{Digest, Sha256};
@@ -189,7 +192,7 @@ struct RoundTrainer {
     val: Vec<Batch>,
     payload_dtype: DType,
     /// Moving average of one inner step, seconds.
-    step_time: Option<f64>,
+    step_time: MovingAverage,
     /// The round the anchor begins (the next round to finish).
     round: u64,
     rounds_since_checkpoint: u64,
@@ -267,7 +270,7 @@ impl RoundTrainer {
             anchor,
             outer,
             val,
-            step_time: None,
+            step_time: MovingAverage::default(),
             round,
             rounds_since_checkpoint: 0,
             saved_round: match start {
@@ -321,42 +324,28 @@ impl RoundTrainer {
             .collect()
     }
 
-    /// Runs H_i inner steps: H with fixed H; with adaptive H_i, as many steps as fit before
-    /// the driver's deadline at the measured step time, within `[H_min, H_max]` (§2).
+    /// Runs H_i inner steps: H with fixed H; with adaptive H_i, re-evaluated before every
+    /// step with the driver's deadline (which moves once the neighbours are known) and the
+    /// moving average of this node's step time — the simulator's rule (`pace`, §2).
     fn train(&mut self, order: TrainOrder) -> Result<Trained> {
-        let o = &self.options.manifest.outer;
-        let (adaptive, fixed, min_steps, max_steps) = (
-            o.adaptive_inner_steps,
-            o.inner_steps,
-            o.min_inner_steps,
-            o.max_inner_steps,
-        );
+        let rule = InnerSteps::from_manifest(&self.options.manifest.outer);
         let mut loss_sum = 0.0;
         let mut steps = 0u64;
         loop {
-            let more = if adaptive {
-                let left = order.deadline.remaining(unix_ms()).as_secs_f64();
-                steps < min_steps || (steps < max_steps && left >= self.step_time.unwrap_or(0.0))
-            } else {
-                steps < fixed
-            };
-            if !more {
+            let left = order.deadline.remaining(unix_ms()).as_secs_f64();
+            if steps >= rule.for_deadline(steps, left, self.step_time.get()) {
                 break;
             }
             let t0 = Instant::now();
             let report = self.trainer.step()?;
-            let took = t0.elapsed().as_secs_f64();
-            self.step_time = Some(match self.step_time {
-                Some(avg) => 0.8 * avg + 0.2 * took,
-                None => took,
-            });
+            self.step_time.observe(t0.elapsed().as_secs_f64());
             loss_sum += report.loss;
             steps += 1;
         }
         Ok(Trained {
             payload: self.payload()?,
             inner_steps: steps,
-            step_time_s: self.step_time.unwrap_or(0.0),
+            step_time_s: self.step_time.get().unwrap_or(0.0),
             train_loss: (steps > 0).then(|| loss_sum / steps as f64),
         })
     }
@@ -379,20 +368,32 @@ impl RoundTrainer {
     fn finish(&mut self, received: Received) -> Result<Finished> {
         let device = self.trainer.device();
         let own = self.trainer.parameters();
-        let mut models: Vec<Vec<Tensor>> = vec![own];
-        for (peer, set) in &received.payloads {
-            let decoded = set
+        let mut models: Vec<(usize, Vec<Tensor>)> = Vec::with_capacity(received.payloads.len());
+        for arrived in &received.payloads {
+            let decoded = arrived
+                .tensors
                 .tensors
                 .iter()
                 .zip(&self.shapes)
                 .map(|(t, shape)| from_wire(t, shape, device))
                 .collect::<Result<Vec<_>>>()
-                .with_context(|| format!("decoding the model from {peer}"))?;
-            models.push(decoded);
+                .with_context(|| format!("decoding the model from {}", arrived.peer))?;
+            models.push((arrived.index, decoded));
         }
-        let others: Vec<usize> = (1..models.len()).collect();
-        let row = MixingRow::uniform(0, &others);
-        let delta = mixed_pseudo_gradient(&row, &self.anchor, |j| &models[j][..]);
+        // The driver's row names a payload for every neighbour term; one without is a bug
+        // upstream, and mixing it as missing keeps the row stochastic all the same.
+        let missing: Vec<usize> = received
+            .mixing
+            .neighbours()
+            .filter(|j| !models.iter().any(|(i, _)| i == j))
+            .collect();
+        let row = received.mixing.without(&missing);
+        let delta = mixed_pseudo_gradient(&row, &self.anchor, |j| {
+            match models.iter().find(|(i, _)| *i == j) {
+                Some((_, m)) => &m[..],
+                None => &own[..],
+            }
+        });
         self.outer.step(&mut self.anchor, &delta);
         self.trainer.set_parameters(&self.anchor);
         self.round = received.round + 1;

@@ -8,9 +8,10 @@
 //! - [`manifest_service`]: the manifest request-response protocol.
 //! - [`identity`]: the persisted node key.
 //! - [`upload_limit`]: the node's upload cap (`--max-upload-rate`).
-//! - [`driver`], [`work`], [`synthetic`], [`join`], [`local_swarm`]: rounds on a live swarm,
-//!   what the driver asks of a trainer, the synthetic trainer, `gasloc-node join`, and many
-//!   nodes in one process.
+//! - [`round_machine`], [`links`]: a node's round lifecycle and its link estimates (sans-IO).
+//! - [`driver`], [`work`], [`synthetic`], [`join`], [`local_swarm`]: the async shell that runs
+//!   the round machine on a live swarm, what it asks of a trainer, the synthetic trainer,
+//!   `gasloc-node join`, and many nodes in one process.
 
 /// Peer ids, as every crate of gasloc names nodes.
 pub use libp2p::PeerId;
@@ -23,10 +24,12 @@ pub mod exchange_service;
 pub mod frames;
 pub mod identity;
 pub mod join;
+pub mod links;
 pub mod local_swarm;
 pub mod manifest_service;
 pub mod network;
 pub mod permutation;
+pub mod round_machine;
 pub mod schedule;
 pub mod swarm;
 pub mod synthetic;

@@ -11,7 +11,7 @@
 //! inputs are method calls, outputs are [`Action`]s for the caller to carry out.
 
 use crate::permutation::{commitment, neighbours, permutation, round_seed, sort_peers, Digest32};
-use gasloc_proto::topology::Topology;
+use gasloc_proto::topology::{MixingRow, Topology};
 use gasloc_proto::wire::RoundTiming;
 use libp2p::PeerId;
 use std::collections::{BTreeMap, HashMap};
@@ -143,6 +143,36 @@ pub struct RoundPlan {
     /// When the last accepted commit and reveal from another peer arrived (0: none).
     pub last_commit_at_ms: u64,
     pub last_reveal_at_ms: u64,
+}
+
+impl RoundPlan {
+    /// The mixing row `me` applies in this round when the neighbours in `missing` sent
+    /// nothing usable (no payload, a failed or a refused one): the topology's row over the
+    /// members, with those neighbours' weight returned to self
+    /// ([`Topology::round_row`], the simulator's function). Indices are positions in
+    /// [`Self::members`]; a node outside the round mixes alone, as index `members.len()`.
+    pub fn mixing_row(&self, topology: Topology, me: &PeerId, missing: &[PeerId]) -> MixingRow {
+        let index: HashMap<&PeerId, usize> = self
+            .members
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p, i))
+            .collect();
+        let Some(&worker) = index.get(me).filter(|_| self.is_member) else {
+            return MixingRow::uniform(self.members.len(), &[]);
+        };
+        let perm: Vec<usize> = self.permutation.iter().map(|p| index[p]).collect();
+        let missing: Vec<usize> = missing
+            .iter()
+            .filter_map(|p| index.get(p).copied())
+            .collect();
+        topology.round_row(&perm, worker, &missing)
+    }
+
+    /// A member's index in [`Self::members`] (the index space of [`Self::mixing_row`]).
+    pub fn member_index(&self, peer: &PeerId) -> Option<usize> {
+        self.members.iter().position(|p| p == peer)
+    }
 }
 
 /// Why a commit or reveal was not recorded.
@@ -615,6 +645,35 @@ mod tests {
             panic!("{actions:?}")
         };
         assert!(!plan.is_member && plan.members.is_empty() && plan.withheld.is_empty());
+    }
+
+    #[test]
+    fn the_plans_mixing_row_weighs_its_neighbours_and_returns_a_missing_ones_weight() {
+        let plans = run_rounds(5, 2, &[], Topology::TwoPeer);
+        for (i, node) in plans.iter().enumerate() {
+            let plan = &node[1];
+            let me = peer(i as u8);
+            let row = plan.mixing_row(Topology::TwoPeer, &me, &[]);
+            let own = plan.member_index(&me).unwrap();
+            assert_eq!(row.worker, own);
+            let mut expected: Vec<usize> = plan
+                .neighbours
+                .iter()
+                .map(|p| plan.member_index(p).unwrap())
+                .collect();
+            expected.sort_unstable();
+            assert_eq!(row.neighbours().collect::<Vec<_>>(), expected);
+            assert_eq!(row.weight(own), 1.0 / 3.0);
+            // One neighbour's payload did not arrive: ⅔ self, ⅓ the other.
+            let row = plan.mixing_row(Topology::TwoPeer, &me, &plan.neighbours[..1]);
+            assert_eq!(row.weight(own), 2.0 / 3.0);
+            let other = plan.member_index(&plan.neighbours[1]).unwrap();
+            assert_eq!(row.weight(other), 1.0 / 3.0);
+        }
+        // A node outside the round mixes alone.
+        let outsider = plans[0][1].mixing_row(Topology::TwoPeer, &peer(9), &[]);
+        assert_eq!(outsider.terms, vec![(5, 1)]);
+        assert_eq!(outsider.denominator, 1);
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! [`SyntheticTrainer`]: crate::synthetic::SyntheticTrainer
 
 use crate::tensors::{TensorSet, TensorSpec};
+use gasloc_proto::topology::MixingRow;
 use libp2p::PeerId;
 use std::future::Future;
 use std::pin::Pin;
@@ -67,14 +68,34 @@ pub struct Trained {
     pub train_loss: Option<f64>,
 }
 
-/// What arrived from the round's neighbours.
+/// What the round's outer step mixes: the row to apply and the payloads it names.
 #[derive(Debug, Clone)]
 pub struct Received {
     pub round: u64,
-    /// Every neighbour of the round, whether its payload arrived or not.
-    pub neighbours: Vec<PeerId>,
-    /// The payloads that arrived and passed every check, in neighbour order.
-    pub payloads: Vec<(PeerId, TensorSet)>,
+    /// The weights to apply, `x̄_i = Σ_j w_ij x_j`: the round topology's row for this node
+    /// (`mixing.worker`, its own model) with every neighbour that sent nothing usable
+    /// removed and its weight returned to self, so the row stays stochastic
+    /// ([`crate::schedule::RoundPlan::mixing_row`], the simulator's function). Indices are
+    /// the round's members in canonical order, so every node sums in the same order.
+    pub mixing: MixingRow,
+    /// The payload of every neighbour term of `mixing`, by its index.
+    pub payloads: Vec<Arrived>,
+}
+
+/// A neighbour's payload that arrived and passed every check.
+#[derive(Debug, Clone)]
+pub struct Arrived {
+    /// Its index in [`Received::mixing`].
+    pub index: usize,
+    pub peer: PeerId,
+    pub tensors: TensorSet,
+}
+
+impl Received {
+    /// The payload of term `index` of the mixing row, if one arrived.
+    pub fn payload(&self, index: usize) -> Option<&Arrived> {
+        self.payloads.iter().find(|a| a.index == index)
+    }
 }
 
 /// The state after the round's outer step.

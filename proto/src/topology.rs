@@ -9,7 +9,8 @@
 //!   weights kept as exact fractions `count / denominator` (every weight of the four
 //!   topologies is `1/k`, or `c/k` once missing neighbours are folded back into self).
 //! * [`MixingRow::without`]: a neighbour that did not arrive is dropped and its weight returned
-//!   to self, so the row stays stochastic.
+//!   to self, so the row stays stochastic; [`Topology::round_row`] is one worker's row of a
+//!   round with its missing neighbours so dropped (what the node and the simulator apply).
 //! * [`sim_round_seed`]: how the simulator derives a round's seed from the run seed.
 
 use rand_chacha::rand_core::{RngCore, SeedableRng};
@@ -79,36 +80,29 @@ impl Topology {
     /// Each worker's neighbours this round (never itself), ascending, for the round's
     /// permutation `perm` of `0..n`.
     pub fn neighbours(self, perm: &[usize]) -> Vec<Vec<usize>> {
+        let mut position = vec![0; perm.len()];
+        for (k, &w) in perm.iter().enumerate() {
+            position[w] = k;
+        }
+        (0..perm.len())
+            .map(|w| self.neighbours_at(perm, position[w]))
+            .collect()
+    }
+
+    /// The neighbours (ascending, never itself) of the worker at position `k` of `perm`.
+    fn neighbours_at(self, perm: &[usize], k: usize) -> Vec<usize> {
         let n = perm.len();
-        let mut out = vec![Vec::new(); n];
-        let ring = |order: &[usize], out: &mut Vec<Vec<usize>>| {
-            for k in 0..n {
-                let (me, next) = (order[k], order[(k + 1) % n]);
-                if me != next {
-                    out[me].push(next);
-                    out[next].push(me);
-                }
-            }
+        let me = perm[k];
+        let mut out = match self {
+            // Pairs (π0,π1), (π2,π3), …: the partner is the other half of the pair, if any.
+            Topology::OnePeer => (k ^ 1 < n).then(|| perm[k ^ 1]).into_iter().collect(),
+            Topology::TwoPeer => vec![perm[(k + n - 1) % n], perm[(k + 1) % n]],
+            Topology::Ring => vec![(me + n - 1) % n, (me + 1) % n],
+            Topology::Complete => (0..n).collect(),
         };
-        match self {
-            Topology::OnePeer => {
-                for pair in perm.chunks_exact(2) {
-                    out[pair[0]].push(pair[1]);
-                    out[pair[1]].push(pair[0]);
-                }
-            }
-            Topology::TwoPeer => ring(perm, &mut out),
-            Topology::Ring => ring(&(0..n).collect::<Vec<_>>(), &mut out),
-            Topology::Complete => {
-                for (i, row) in out.iter_mut().enumerate() {
-                    row.extend((0..n).filter(|&j| j != i));
-                }
-            }
-        }
-        for row in &mut out {
-            row.sort_unstable();
-            row.dedup();
-        }
+        out.retain(|&j| j != me);
+        out.sort_unstable();
+        out.dedup();
         out
     }
 
@@ -120,6 +114,18 @@ impl Topology {
             .enumerate()
             .map(|(i, neighbours)| MixingRow::uniform(i, &neighbours))
             .collect()
+    }
+
+    /// The row `worker` applies in a round with permutation `perm` when the neighbours in
+    /// `missing` sent nothing usable (absent, failed or refused): the topology's row with
+    /// those dropped and their weight returned to self ([`MixingRow::without`]). The one
+    /// place where the simulator and the networked node get their mixing weights.
+    pub fn round_row(self, perm: &[usize], worker: usize, missing: &[usize]) -> MixingRow {
+        let k = perm
+            .iter()
+            .position(|&w| w == worker)
+            .expect("the worker is in the permutation");
+        MixingRow::uniform(worker, &self.neighbours_at(perm, k)).without(missing)
     }
 }
 
@@ -330,6 +336,36 @@ mod tests {
         let w = matrix(&Topology::TwoPeer.mixing(&[1, 0]));
         assert_eq!(w, vec![vec![0.5, 0.5], vec![0.5, 0.5]]);
         assert_eq!(matrix(&Topology::Ring.mixing(&[0])), vec![vec![1.0]]);
+    }
+
+    #[test]
+    fn one_row_is_the_matrix_row_and_drops_what_is_missing() {
+        for topology in Topology::ALL {
+            for n in 1..=9 {
+                for round in 0..5 {
+                    let perm = permutation(sim_round_seed(4, round), n);
+                    let rows = topology.mixing(&perm);
+                    for (i, row) in rows.iter().enumerate() {
+                        assert_eq!(
+                            &topology.round_row(&perm, i, &[]),
+                            row,
+                            "{topology:?} n={n}"
+                        );
+                        let missing: Vec<usize> = row.neighbours().take(1).collect();
+                        assert_eq!(
+                            topology.round_row(&perm, i, &missing),
+                            row.without(&missing)
+                        );
+                    }
+                }
+            }
+        }
+        // Two-peer, one of two neighbours missing: ⅔ self, ⅓ the other (ALGORITHMS.md §1).
+        let row = Topology::TwoPeer.round_row(&[0, 1, 2], 1, &[2]);
+        assert_eq!(
+            (row.weight(1), row.weight(0), row.weight(2)),
+            (2.0 / 3.0, 1.0 / 3.0, 0.0)
+        );
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! A swarm on the two-peer topology (each node mixes with two ring neighbours) learns, with
-//! fixed H; a node that expects another run is refused before it trains; and a live node's
-//! status endpoint serves its status (terminal client), its JSON and its metrics.
+//! fixed H; a node that expects another run is refused before it trains; a live node's
+//! status endpoint serves its status (terminal client), its JSON and its metrics; and when a
+//! node is killed after the round is decided, each of its two partners mixes it as missing:
+//! ⅔ itself, ⅓ its other neighbour (ALGORITHMS.md §1), and goes on.
 
 use gasloc_tests::{
     built_binary, field, http_get, join_command, prepare_byte_data, read_report, start_bootstrap,
@@ -103,20 +105,75 @@ fn four_nodes_on_a_two_peer_ring_learn_and_other_runs_are_refused() {
         "{json}"
     );
 
-    for node in &mut nodes {
+    // Node 4 dies early in round 3: after its reveal (published as the round starts) and
+    // before the round is decided (500 ms in) and its exchange starts, so it is in its
+    // partners' plan but never sends them anything.
+    let status4 = field(
+        &nodes[3].wait_for_line("status=", Duration::from_secs(60)),
+        "status",
+    )
+    .unwrap()
+    .trim_start_matches("http://")
+    .to_string();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        assert!(
+            std::net::TcpStream::connect(&status4).is_ok(),
+            "node4's status server is gone:\n{}\n{}",
+            nodes[3].output(),
+            nodes[3].stderr_tail()
+        );
+        let response = http_get(&status4, "/status");
+        let body = response.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        let json: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+        let undecided = json["neighbours"].as_array().is_some_and(|n| n.is_empty());
+        if json["round"].as_u64() == Some(3) && undecided {
+            std::thread::sleep(Duration::from_millis(150));
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node4 never reached round 3: {json}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    nodes[3].child.kill().unwrap();
+    let killed = field(&nodes[3].output(), "peer_id").unwrap().to_string();
+
+    for node in &mut nodes[..3] {
         node.expect_success(Duration::from_secs(120));
     }
-    for i in 1..=4 {
+    let mut partners = 0;
+    for i in 1..=3 {
         let records = read_report(&home(i));
         assert_eq!(records.len(), 7, "node{i}");
         for r in &records {
             assert_eq!(r["inner_steps"], 25, "node{i}: fixed H");
             assert_eq!(r["neighbours"].as_array().unwrap().len(), 2, "node{i}: {r}");
+            let weights: Vec<f64> = r["mixing"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|w| w[1].as_f64().unwrap())
+                .collect();
+            let lost_partner = r["failed"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|f| f[0] == killed);
+            if lost_partner {
+                // The killed node's weight went back to self: ⅔ self, ⅓ the other.
+                assert_eq!(r["round"], 3, "node{i}: {r}");
+                assert_eq!(weights, vec![2.0 / 3.0, 1.0 / 3.0], "node{i}: {r}");
+                partners += 1;
+                continue;
+            }
             assert_eq!(
                 r["exchanged"], r["neighbours"],
                 "node{i} round {}: {}",
                 r["round"], r["failed"]
             );
+            assert_eq!(weights, vec![1.0 / 3.0; 3], "node{i}: {r}");
         }
         let v: Vec<f64> = records
             .iter()
@@ -125,4 +182,8 @@ fn four_nodes_on_a_two_peer_ring_learn_and_other_runs_are_refused() {
         assert!(v.last().unwrap() < &(v[0] - 0.3), "node{i}: {v:?}");
         assert!(v.last().unwrap() < &3.0, "node{i}: {v:?}");
     }
+    assert_eq!(
+        partners, 2,
+        "both ring partners of the killed node mixed it as missing"
+    );
 }

@@ -10,10 +10,9 @@
 //! * All-reduce (DiLoCo, ddp): a barrier, then a ring all-reduce limited by the slowest link:
 //!   `end = max_j ready_j + latency + 2(n−1)/n · bytes / min_k bandwidth_k` for everyone.
 //!
-//! Adaptive H_i: `H_i = clamp(floor((T_round − C_i) / t_step_i), H_min, H_max)` with the round
-//! budget `T_round = H · t_step_i + C°_i`, where `C°_i` is the same exchange at the standard
-//! bandwidth. So `H_i = H − (C_i − C°_i) / t_step_i`: a worker on standard links keeps H, a
-//! straggler and its partners of the round give up the steps their slow transfer costs.
+//! Adaptive H_i is the node's rule (`gasloc_proto::pace`): `H_i = clamp(floor((T_round −
+//! C_i) / t_step_i), H_min, H_max)`, with the round budget `T_round = H · t_step_i + C°_i`,
+//! where `C_i` is [`Network::gossip_time`] and `C°_i` [`Network::standard_gossip_time`].
 
 /// A worker whose link runs at `fraction` of the standard bandwidth (`--straggler i:f`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -106,20 +105,6 @@ impl Network {
     }
 }
 
-/// The adaptive rule: `H − (C_i − C°_i) / t_step`, floored and clamped to `[min, max]`.
-pub fn adaptive_inner_steps(
-    target: u64,
-    min: u64,
-    max: u64,
-    step_time_s: f64,
-    exchange_s: f64,
-    standard_exchange_s: f64,
-) -> u64 {
-    let budget = target as f64 * step_time_s + standard_exchange_s;
-    let steps = ((budget - exchange_s) / step_time_s).floor();
-    (steps.max(0.0) as u64).clamp(min, max)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -157,14 +142,5 @@ mod tests {
         // The all-reduce runs at the slowest link: 2·3/4 · 40 / 10.
         assert_eq!(net.all_reduce_time(40.0), 6.0);
         assert_eq!(net.all_reduce_bytes(40), 60);
-    }
-
-    #[test]
-    fn adaptive_h_gives_up_the_steps_the_slow_exchange_costs() {
-        // 30 steps of 0.1 s; a standard exchange of 0.5 s; the straggler's takes 2.0 s.
-        assert_eq!(adaptive_inner_steps(30, 1, 60, 0.1, 0.5, 0.5), 30);
-        assert_eq!(adaptive_inner_steps(30, 1, 60, 0.1, 2.0, 0.5), 15);
-        assert_eq!(adaptive_inner_steps(30, 1, 60, 0.1, 100.0, 0.5), 1);
-        assert_eq!(adaptive_inner_steps(30, 1, 31, 0.1, 0.0, 0.5), 31);
     }
 }

@@ -22,10 +22,11 @@ use crate::algo::payload::{encode_lordo, model_bytes, through_bf16};
 use crate::optim::InnerOptimizer;
 use crate::trainer::Trainer;
 use anyhow::{bail, Result};
-use clock::{adaptive_inner_steps, Network, Straggler};
+use clock::{Network, Straggler};
 use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::{validation_batches, Batch, WorkerSlot};
 use gasloc_proto::manifest::{Algorithm, Payload};
+use gasloc_proto::pace::{standard_round_budget, InnerSteps, MovingAverage};
 use gasloc_proto::topology::{permutation, sim_round_seed, MixingRow};
 use gasloc_proto::RunManifest;
 use serde::Serialize;
@@ -143,8 +144,9 @@ struct Worker {
     outer: OuterOptimizer,
     /// The LoRDO payload's error feedback.
     payload_error: Vec<Tensor>,
-    /// Moving average of the measured inner-step time.
-    step_time_s: Option<f64>,
+    /// The inner-step time: `--step-time-ms`, or the moving average of the measured steps
+    /// (the node's estimator).
+    step_time: MovingAverage,
     clock_s: f64,
 }
 
@@ -187,7 +189,13 @@ impl Simulation {
                 payload_error: anchor.iter().map(Tensor::zeros_like).collect(),
                 anchor,
                 trainer,
-                step_time_s: options.step_time_ms.map(|t| t / 1e3),
+                step_time: {
+                    let mut estimate = MovingAverage::default();
+                    if let Some(t) = options.step_time_ms {
+                        estimate.observe(t / 1e3);
+                    }
+                    estimate
+                },
                 clock_s: 0.0,
             });
         }
@@ -256,42 +264,44 @@ impl Simulation {
         Ok(record)
     }
 
+    /// The round's rows, from the node's function ([`Topology::round_row`]; nobody is
+    /// missing in the simulator).
+    ///
+    /// [`Topology::round_row`]: gasloc_proto::topology::Topology::round_row
     fn mixing_rows(&self) -> Vec<MixingRow> {
         let perm = permutation(
             sim_round_seed(self.manifest.seed, self.round),
             self.workers.len(),
         );
-        self.manifest.outer.topology.mixing(&perm)
+        let topology = self.manifest.outer.topology;
+        (0..perm.len())
+            .map(|i| topology.round_row(&perm, i, &[]))
+            .collect()
     }
 
-    /// The inner steps of each worker this round.
+    /// The inner steps of each worker this round: the node's rule ([`InnerSteps`]) with the
+    /// budget `H · t_step + C°_i − C_i`.
     fn inner_steps(&self, rows: &[MixingRow]) -> Vec<u64> {
         let o = &self.manifest.outer;
+        let rule = InnerSteps::from_manifest(o);
         rows.iter()
             .zip(&self.workers)
-            .map(|(row, w)| match (o.adaptive_inner_steps, w.step_time_s) {
-                (true, Some(t)) => {
-                    let neighbours: Vec<usize> = row.neighbours().collect();
-                    let bytes = self.last_payload_bytes as f64;
-                    let (c, c0) = if o.algorithm == Algorithm::Diloco {
-                        let c = self.network.all_reduce_time(bytes);
-                        (c, c)
-                    } else {
-                        (
-                            self.network.gossip_time(row.worker, &neighbours, bytes),
-                            self.network.standard_gossip_time(&neighbours, bytes),
-                        )
-                    };
-                    adaptive_inner_steps(
-                        o.inner_steps,
-                        o.min_inner_steps,
-                        o.max_inner_steps,
-                        t,
-                        c,
-                        c0,
+            .map(|(row, w)| {
+                let Some(t) = w.step_time.get().filter(|_| rule.adaptive) else {
+                    return rule.for_budget(0.0, None);
+                };
+                let neighbours: Vec<usize> = row.neighbours().collect();
+                let bytes = self.last_payload_bytes as f64;
+                let (c, c0) = if o.algorithm == Algorithm::Diloco {
+                    let c = self.network.all_reduce_time(bytes);
+                    (c, c)
+                } else {
+                    (
+                        self.network.gossip_time(row.worker, &neighbours, bytes),
+                        self.network.standard_gossip_time(&neighbours, bytes),
                     )
-                }
-                _ => o.inner_steps,
+                };
+                rule.for_budget(standard_round_budget(o.inner_steps, t, c0, c), Some(t))
             })
             .collect()
     }
@@ -302,23 +312,22 @@ impl Simulation {
         let steps = self.inner_steps(&rows);
         let mut losses = Vec::new();
         let mut compute = Vec::new();
+        let fixed_step = self.options.step_time_ms.map(|t| t / 1e3);
         for (w, &h) in self.workers.iter_mut().zip(&steps) {
-            let start = Instant::now();
             let mut sum = 0.0;
+            let mut measured = 0.0;
             for _ in 0..h {
+                let start = Instant::now();
                 sum += w.trainer.step()?.loss;
-            }
-            let measured = start.elapsed().as_secs_f64();
-            losses.push(sum / h as f64);
-            let per_step = measured / h as f64;
-            compute.push(match self.options.step_time_ms {
-                Some(t) => h as f64 * t / 1e3,
-                None => {
-                    w.step_time_s =
-                        Some(w.step_time_s.map_or(per_step, |a| 0.7 * a + 0.3 * per_step));
-                    measured
+                let took = start.elapsed().as_secs_f64();
+                measured += took;
+                // Each step feeds the estimate, as on the node.
+                if fixed_step.is_none() {
+                    w.step_time.observe(took);
                 }
-            });
+            }
+            losses.push(sum / h.max(1) as f64);
+            compute.push(fixed_step.map_or(measured, |t| h as f64 * t));
         }
 
         let o = self.manifest.outer.clone();

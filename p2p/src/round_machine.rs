@@ -1,0 +1,1237 @@
+//! `RoundMachine`: the life of a node's rounds as a sans-IO state machine — the
+//! [`RoundSchedule`] pattern one level up.
+//!
+//! It owns everything a round decides: when to commit to a round (with an `Announce` of
+//! this node's step time and link), when a round starts and its inner steps' deadline, when
+//! the exchange starts, which mixing row the outer step applies, what the round record
+//! says, and when the node is done. It owns the commit-reveal ([`RoundSchedule`]) and the
+//! link estimates ([`LinkEstimates`]). It does no I/O and sees no tensor, only sizes: the
+//! caller (the async [`RoundDriver`], or a simulation) feeds it [`Input`]s with the time and
+//! carries out the [`Output`]s it returns, and calls again at [`RoundMachine::next_wakeup`].
+//!
+//! A round moves through the [`Phase`]s `Training → (Agreeing) → Exchanging → Finishing`:
+//! * it **starts** at `round_start(t)` if this node committed to it (a round reached only
+//!   after it ended is skipped); the inner steps get a deadline, `round end − C_i − outer
+//!   step − margin`, with `C_i` predicted from this node's own link;
+//! * once the round is **decided** (its reveal window closed; the plan may come before the
+//!   round starts, while the node still finishes the round before) the deadline moves to
+//!   the prediction with the round's neighbours;
+//! * once the plan and the trained payload are both there, the **exchange** starts (no
+//!   neighbour: straight to the outer step);
+//! * the exchange's outcome per neighbour (swapped, refused, failed — the exchange service
+//!   bounds it by the exchange timeout) gives the **mixing row**: the round topology's row
+//!   with every neighbour that sent nothing usable removed and its weight returned to self
+//!   ([`RoundPlan::mixing_row`]);
+//! * when the outer step is done the round's [`RoundRecord`] is written and the next round
+//!   may start.
+//!
+//! A stop withdraws every round not yet revealed (the swarm leaves this node out of them
+//! alike), starts no new round and lets the round in flight finish, so its partners get
+//! their exchange and the caller checkpoints. The machine never panics on an input,
+//! whatever its order: an input for a round not in flight is ignored.
+//!
+//! [`RoundDriver`]: crate::driver::RoundDriver
+
+use crate::links::{train_deadline, LinkEstimates};
+use crate::schedule::{Action, RoundPlan, RoundSchedule, Timing};
+use gasloc_proto::pace::MovingAverage;
+use gasloc_proto::topology::{MixingRow, Topology};
+use gasloc_proto::wire::{control_message::Body, Announce, Commit, ControlMessage, Reveal};
+use libp2p::PeerId;
+use rand::rngs::StdRng;
+use rand::RngCore;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// What the machine needs besides the schedule.
+#[derive(Debug, Clone)]
+pub struct MachineConfig {
+    /// Stop after this many rounds finished or skipped (`u64::MAX`: until stopped).
+    pub rounds: u64,
+    /// Bytes of one payload (the exchange-time prediction and the bytes sent).
+    pub payload_bytes: u64,
+    /// The node's upload cap, bytes per second (`--max-upload-rate`).
+    pub upload_cap: Option<u64>,
+    /// Fault injection for tests: never publish reveals (the node gets excluded).
+    pub withhold_reveals: bool,
+}
+
+/// What happened, as the caller tells it.
+#[derive(Debug, Clone)]
+pub enum Input {
+    /// Time passed (the wakeup the machine asked for, or any other moment).
+    Tick,
+    /// A control message from the run's topic.
+    Control {
+        source: PeerId,
+        message: ControlMessage,
+    },
+    /// The round's inner steps are done and its payload is ready to send.
+    Trained {
+        round: u64,
+        inner_steps: u64,
+        step_time_s: f64,
+        train_loss: Option<f64>,
+    },
+    /// The round's exchange is over: one outcome per neighbour (a neighbour without one
+    /// counts as failed).
+    Exchanged {
+        round: u64,
+        outcomes: Vec<(PeerId, Outcome)>,
+    },
+    /// The round's mixing and outer step are done.
+    Finished { round: u64, val_loss: Option<f64> },
+    /// Leave the swarm.
+    Stop,
+}
+
+/// How the exchange with one neighbour ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Its payload arrived and passed every check: `bytes` received, `transfer` from both
+    /// sides ready to done.
+    Swapped { bytes: u64, transfer: Duration },
+    /// Its payload arrived and this node refused it (it failed a check).
+    Refused(String),
+    /// No payload: a timeout, a lost stream, or the peer refused this node's.
+    Failed(String),
+}
+
+/// What the caller must do, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Output {
+    /// Publish a control message about `round` on the run's topic.
+    Publish { round: u64, body: Body },
+    /// Start the round's inner steps, to end by `deadline_ms` (Unix ms).
+    StartTraining { round: u64, deadline_ms: u64 },
+    /// The inner steps of the round in flight should now end by `deadline_ms`.
+    MoveDeadline { round: u64, deadline_ms: u64 },
+    /// Swap the round's payload with these neighbours.
+    StartExchange { round: u64, neighbours: Vec<PeerId> },
+    /// Mix with `mixing` and take the outer step. `arrived` names, for each neighbour
+    /// term of the row, the peer whose payload it is.
+    Finish {
+        round: u64,
+        mixing: MixingRow,
+        arrived: Vec<(usize, PeerId)>,
+    },
+    /// The round is over: what this node saw and did.
+    Record(Box<RoundRecord>),
+    /// The node's `/status` document changed.
+    Status(StatusChange),
+}
+
+/// A change of the node's status document.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StatusChange {
+    /// A round started: its number; neighbours not known yet; training.
+    RoundStarted(u64),
+    /// The round's neighbours are known.
+    Neighbours(Vec<PeerId>),
+    /// The inner steps are done.
+    Trained {
+        inner_steps: u64,
+        step_time_s: f64,
+        train_loss: Option<f64>,
+    },
+    Agreeing,
+    Exchanging,
+    /// The node is leaving.
+    Stopping,
+}
+
+/// Where the round in flight is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Inner steps running.
+    Training,
+    /// Payload ready, the round not decided yet.
+    Agreeing,
+    /// Swapping payloads with the neighbours.
+    Exchanging,
+    /// Mixing and the outer step.
+    Finishing,
+}
+
+/// What one node saw and did in one round (peer ids as base58 strings).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RoundRecord {
+    pub peer: String,
+    pub round: u64,
+    pub is_member: bool,
+    pub members: Vec<String>,
+    pub permutation: Vec<String>,
+    pub neighbours: Vec<String>,
+    /// Neighbours whose payload arrived and passed every check.
+    pub exchanged: Vec<String>,
+    /// Neighbours whose payload arrived and was refused, with the reason.
+    pub refused: Vec<(String, String)>,
+    /// Neighbours that failed, with the reason.
+    pub failed: Vec<(String, String)>,
+    /// The weights applied, `(peer, weight)`, this node first: the round topology's row
+    /// with the weight of every neighbour that sent nothing usable returned to self.
+    pub mixing: Vec<(String, f64)>,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    /// Inner steps taken (H_i) and the moving average of one step, seconds.
+    pub inner_steps: u64,
+    pub step_time_s: f64,
+    /// Seconds from the round start the inner steps were given (their final deadline), and
+    /// the exchange time predicted for the round.
+    pub budget_s: f64,
+    pub predicted_exchange_s: f64,
+    /// Seconds from the start of the exchange until every neighbour's result was in.
+    pub exchange_s: f64,
+    /// Seconds the slowest swap took from both sides being ready to its end: the link's
+    /// share of `exchange_s` (what `predicted_exchange_s` predicts).
+    pub transfer_s: f64,
+    /// Seconds from "payload ready" until every neighbour's result was in (agreement and
+    /// neighbours included).
+    pub wait_s: f64,
+    /// Seconds of the mixing and outer step.
+    pub finish_s: f64,
+    /// Seconds from the round start until its outer step was done.
+    pub round_s: f64,
+    pub train_loss: Option<f64>,
+    pub val_loss: Option<f64>,
+    /// Milliseconds from the round start until the round was decided.
+    pub decided_after_ms: u64,
+    /// Milliseconds from the opening of the round's commit window (when members publish
+    /// their commits, during the round before) to the last commit received from another
+    /// peer.
+    pub last_commit_after_ms: u64,
+    /// Milliseconds from the round start (when members publish their reveals) to the last
+    /// reveal received.
+    pub last_reveal_after_ms: u64,
+    /// Control messages about this round this node received (commits, announces, reveals).
+    pub control_messages: u64,
+    /// Peers this node had a connection to when the round ended (filled in by the driver).
+    pub connected_peers: usize,
+    /// AutoNAT's verdict when the round ended (filled in by the driver).
+    pub reachability: String,
+    /// Hole punches since the node started (filled in by the driver).
+    pub hole_punches: u64,
+}
+
+/// The round in flight, with what the record needs (times in Unix ms).
+#[derive(Debug)]
+struct InFlight {
+    round: u64,
+    phase: Phase,
+    started_ms: u64,
+    plan: Option<RoundPlan>,
+    decided_at_ms: u64,
+    deadline_ms: u64,
+    predicted_exchange_s: f64,
+    inner_steps: u64,
+    step_time_s: f64,
+    train_loss: Option<f64>,
+    ready_at_ms: Option<u64>,
+    exchange_started_ms: Option<u64>,
+    exchange_done_ms: Option<u64>,
+    outcomes: Vec<(PeerId, Outcome)>,
+    mixing: Option<MixingRow>,
+}
+
+/// One node's rounds.
+pub struct RoundMachine {
+    me: PeerId,
+    config: MachineConfig,
+    schedule: RoundSchedule,
+    links: LinkEstimates,
+    finish_time: MovingAverage,
+    nonces: StdRng,
+    /// The next round to commit to (its commit window opens during the round before it),
+    /// and the next round to run (one this node committed to).
+    next_commit: u64,
+    next_round: u64,
+    committed: u64,
+    finished: u64,
+    skipped: u64,
+    /// Plans of rounds decided before this node started them.
+    early_plans: HashMap<u64, (RoundPlan, u64)>,
+    /// Control messages received per round they are about.
+    control_counts: HashMap<u64, u64>,
+    active: Option<InFlight>,
+    stopping: bool,
+    /// What this node announces beside its commits.
+    last_inner_steps: u64,
+    last_step_time_s: f64,
+}
+
+impl RoundMachine {
+    /// A machine that starts with the first round still joinable at `now`; `nonces` draws
+    /// the commit-reveal nonces (seed it from the OS in a node).
+    pub fn new(
+        me: PeerId,
+        config: MachineConfig,
+        schedule: RoundSchedule,
+        nonces: StdRng,
+        now: u64,
+    ) -> RoundMachine {
+        let next_commit = schedule.timing().next_joinable_round(now);
+        RoundMachine {
+            me,
+            config,
+            schedule,
+            links: LinkEstimates::default(),
+            finish_time: MovingAverage::default(),
+            nonces,
+            next_commit,
+            next_round: next_commit,
+            committed: 0,
+            finished: 0,
+            skipped: 0,
+            early_plans: HashMap::new(),
+            control_counts: HashMap::new(),
+            active: None,
+            stopping: false,
+            last_inner_steps: 0,
+            last_step_time_s: 0.0,
+        }
+    }
+
+    pub fn timing(&self) -> &Timing {
+        self.schedule.timing()
+    }
+
+    pub fn schedule(&self) -> &RoundSchedule {
+        &self.schedule
+    }
+
+    /// The round in flight and its phase.
+    pub fn phase(&self) -> Option<(u64, Phase)> {
+        self.active.as_ref().map(|a| (a.round, a.phase))
+    }
+
+    /// Rounds finished, and rounds committed to but missed.
+    pub fn rounds_done(&self) -> (u64, u64) {
+        (self.finished, self.skipped)
+    }
+
+    /// True once the node has nothing left to do: its rounds are done, or it is stopping
+    /// and no round is in flight.
+    pub fn is_done(&self) -> bool {
+        self.finished + self.skipped >= self.config.rounds
+            || (self.stopping && self.active.is_none())
+    }
+
+    /// When the machine next has something to do without an input (Unix ms).
+    pub fn next_wakeup(&self) -> Option<u64> {
+        let timing = self.schedule.timing();
+        let mut wake = self.schedule.next_wakeup();
+        let mut consider = |t: u64| wake = Some(wake.map_or(t, |w| w.min(t)));
+        if !self.stopping {
+            if self.active.is_none() && self.next_round < self.next_commit {
+                consider(timing.round_start(self.next_round));
+            }
+            if self.committed < self.config.rounds {
+                consider(timing.commit_opens(self.next_commit));
+            }
+        }
+        wake
+    }
+
+    /// Takes one input at `now` (Unix ms) and returns what to do.
+    pub fn handle(&mut self, input: Input, now: u64) -> Vec<Output> {
+        let mut out = Vec::new();
+        match input {
+            Input::Tick => {}
+            Input::Control { source, message } => self.on_control(source, message, now),
+            Input::Trained {
+                round,
+                inner_steps,
+                step_time_s,
+                train_loss,
+            } => self.on_trained(round, inner_steps, step_time_s, train_loss, now, &mut out),
+            Input::Exchanged { round, outcomes } => {
+                self.on_exchanged(round, outcomes, now, &mut out)
+            }
+            Input::Finished { round, val_loss } => self.on_finished(round, val_loss, now, &mut out),
+            Input::Stop => {
+                if !self.stopping {
+                    self.stopping = true;
+                    // Rounds committed to but not yet revealed are given up: every peer
+                    // leaves this node out of them alike.
+                    self.schedule.withdraw_from(0);
+                    out.push(Output::Status(StatusChange::Stopping));
+                }
+            }
+        }
+        self.advance(now, &mut out);
+        out
+    }
+
+    fn on_control(&mut self, source: PeerId, message: ControlMessage, now: u64) {
+        *self.control_counts.entry(message.round).or_default() += 1;
+        let round = message.round;
+        let result = match message.body {
+            Some(Body::Commit(c)) => match c.commitment.as_slice().try_into() {
+                Ok(c) => self.schedule.on_commit(source, round, c, now),
+                Err(_) => return,
+            },
+            Some(Body::Reveal(r)) => match r.nonce.as_slice().try_into() {
+                Ok(n) => self.schedule.on_reveal(source, round, n, now),
+                Err(_) => return,
+            },
+            Some(Body::Announce(a)) => {
+                self.links.record_announce(source, a.goodput_bytes_per_s);
+                return;
+            }
+            None => return,
+        };
+        if let Err(e) = result {
+            if e.is_misbehaviour() {
+                tracing::warn!(%source, error = %e, "misbehaving control message");
+            } else {
+                tracing::debug!(%source, error = %e, "control message not recorded");
+            }
+        }
+    }
+
+    fn on_trained(
+        &mut self,
+        round: u64,
+        inner_steps: u64,
+        step_time_s: f64,
+        train_loss: Option<f64>,
+        now: u64,
+        out: &mut Vec<Output>,
+    ) {
+        let Some(a) = self.active.as_mut().filter(|a| a.round == round) else {
+            tracing::debug!(round, "training result for a round not in flight: ignored");
+            return;
+        };
+        if a.phase != Phase::Training {
+            return;
+        }
+        a.inner_steps = inner_steps;
+        a.step_time_s = step_time_s;
+        a.train_loss = train_loss;
+        a.ready_at_ms = Some(now);
+        a.phase = Phase::Agreeing;
+        self.last_inner_steps = inner_steps;
+        self.last_step_time_s = step_time_s;
+        out.push(Output::Status(StatusChange::Trained {
+            inner_steps,
+            step_time_s,
+            train_loss,
+        }));
+        out.push(Output::Status(StatusChange::Agreeing));
+    }
+
+    fn on_exchanged(
+        &mut self,
+        round: u64,
+        mut outcomes: Vec<(PeerId, Outcome)>,
+        now: u64,
+        out: &mut Vec<Output>,
+    ) {
+        let Some(a) = self.active.as_mut().filter(|a| a.round == round) else {
+            tracing::debug!(round, "exchange result for a round not in flight: ignored");
+            return;
+        };
+        if a.phase != Phase::Exchanging {
+            return;
+        }
+        let neighbours = a.plan.as_ref().map_or(&[][..], |p| &p.neighbours[..]);
+        // One outcome per neighbour, in neighbour order: others are dropped, the missing
+        // ones failed.
+        outcomes.retain(|(p, _)| neighbours.contains(p));
+        let mut ordered = Vec::with_capacity(neighbours.len());
+        for n in neighbours {
+            let outcome = match outcomes.iter().position(|(p, _)| p == n) {
+                Some(i) => outcomes.swap_remove(i).1,
+                None => Outcome::Failed("no result from the exchange".into()),
+            };
+            ordered.push((*n, outcome));
+        }
+        let swaps: Vec<(PeerId, Duration)> = ordered
+            .iter()
+            .filter_map(|(p, o)| match o {
+                Outcome::Swapped { transfer, .. } => Some((*p, *transfer)),
+                _ => None,
+            })
+            .collect();
+        self.links
+            .record_exchange(self.config.payload_bytes, ordered.len(), &swaps);
+        a.outcomes = ordered;
+        a.exchange_done_ms = Some(now);
+        Self::start_finish(&self.me, self.schedule.timing().topology, a, out);
+    }
+
+    /// The round's mixing row from its plan and outcomes, and the order to apply it.
+    fn start_finish(me: &PeerId, topology: Topology, a: &mut InFlight, out: &mut Vec<Output>) {
+        let Some(plan) = a.plan.as_ref() else {
+            return;
+        };
+        let missing: Vec<PeerId> = a
+            .outcomes
+            .iter()
+            .filter(|(_, o)| !matches!(o, Outcome::Swapped { .. }))
+            .map(|(p, _)| *p)
+            .collect();
+        let mixing = plan.mixing_row(topology, me, &missing);
+        let arrived: Vec<(usize, PeerId)> = a
+            .outcomes
+            .iter()
+            .filter(|(_, o)| matches!(o, Outcome::Swapped { .. }))
+            .filter_map(|(p, _)| plan.member_index(p).map(|i| (i, *p)))
+            .collect();
+        a.phase = Phase::Finishing;
+        a.mixing = Some(mixing.clone());
+        out.push(Output::Finish {
+            round: a.round,
+            mixing,
+            arrived,
+        });
+    }
+
+    fn on_finished(&mut self, round: u64, val_loss: Option<f64>, now: u64, out: &mut Vec<Output>) {
+        match self.active.as_ref() {
+            Some(a) if a.round == round && a.phase == Phase::Finishing => {}
+            _ => {
+                tracing::debug!(
+                    round,
+                    "outer step result for a round not finishing: ignored"
+                );
+                return;
+            }
+        }
+        let a = self.active.take().expect("checked above");
+        let finish_started = a.exchange_done_ms.unwrap_or(now);
+        self.finish_time
+            .observe(now.saturating_sub(finish_started) as f64 / 1000.0);
+        let mut record = self.make_record(a, val_loss, now);
+        record.control_messages = self.control_counts.remove(&round).unwrap_or(0);
+        self.control_counts.retain(|&r, _| r > round);
+        self.finished += 1;
+        self.next_round = round + 1;
+        out.push(Output::Record(Box::new(record)));
+    }
+
+    /// Everything time alone moves on: commits, the next round's start, reveals and
+    /// decisions, the exchange once plan and payload are there.
+    fn advance(&mut self, now: u64, out: &mut Vec<Output>) {
+        self.commit_if_due(now, out);
+        self.start_round_if_due(now, out);
+        for action in self.schedule.poll(now) {
+            match action {
+                Action::PublishReveal { round, nonce } => {
+                    if self.config.withhold_reveals {
+                        tracing::info!(round, "fault injection: withholding the reveal");
+                    } else {
+                        out.push(Output::Publish {
+                            round,
+                            body: Body::Reveal(Reveal {
+                                nonce: nonce.to_vec(),
+                            }),
+                        });
+                    }
+                }
+                Action::Decided(plan) => self.on_decided(plan, now, out),
+                Action::PublishCommit { .. } => {}
+            }
+        }
+        self.exchange_if_ready(now, out);
+    }
+
+    /// Commits to the next round when its commit window opens, with an `Announce` of this
+    /// node's H_i, step time and link for its partners' deadlines.
+    fn commit_if_due(&mut self, now: u64, out: &mut Vec<Output>) {
+        let timing = self.schedule.timing().clone();
+        if self.stopping
+            || self.committed >= self.config.rounds
+            || now < timing.commit_opens(self.next_commit)
+        {
+            return;
+        }
+        if now >= timing.commit_closes(self.next_commit) {
+            let skip_to = timing.next_joinable_round(now);
+            tracing::warn!(
+                missed = self.next_commit,
+                next = skip_to,
+                "too late to commit to a round"
+            );
+            self.next_commit = skip_to;
+            return;
+        }
+        let mut nonce = [0u8; 32];
+        self.nonces.fill_bytes(&mut nonce);
+        match self.schedule.join_round(self.next_commit, nonce, now) {
+            Ok(Action::PublishCommit { round, commitment }) => {
+                out.push(Output::Publish {
+                    round,
+                    body: Body::Commit(Commit {
+                        commitment: commitment.to_vec(),
+                    }),
+                });
+                out.push(Output::Publish {
+                    round,
+                    body: Body::Announce(Announce {
+                        inner_steps: self.last_inner_steps.min(u32::MAX as u64) as u32,
+                        step_time_us: (self.last_step_time_s * 1e6) as u64,
+                        goodput_bytes_per_s: self.links.own_goodput(self.config.upload_cap),
+                    }),
+                });
+                self.committed += 1;
+            }
+            Ok(other) => tracing::error!(?other, "unexpected action from join_round"),
+            Err(e) => tracing::warn!(error = %e, "cannot commit to round"),
+        }
+        self.next_commit += 1;
+    }
+
+    /// Starts the next round this node committed to when its time has come (never while
+    /// leaving). A round reached only after it ended is skipped.
+    fn start_round_if_due(&mut self, now: u64, out: &mut Vec<Output>) {
+        let timing = self.schedule.timing().clone();
+        while !self.stopping
+            && self.active.is_none()
+            && self.next_round < self.next_commit
+            && now >= timing.round_start(self.next_round)
+        {
+            let round = self.next_round;
+            let joined = self.schedule.has_joined(round);
+            if !joined || now >= timing.round_start(round + 1) {
+                if joined {
+                    tracing::warn!(round, "missed a round it committed to");
+                    self.skipped += 1;
+                }
+                self.early_plans.remove(&round);
+                self.next_round += 1;
+                continue;
+            }
+            let predicted = self.links.predicted_exchange_s(
+                self.config.payload_bytes,
+                &timing,
+                None,
+                self.config.upload_cap,
+            );
+            let deadline_ms = train_deadline(&timing, round, predicted, self.finish_time.get());
+            out.push(Output::Status(StatusChange::RoundStarted(round)));
+            out.push(Output::StartTraining { round, deadline_ms });
+            self.active = Some(InFlight {
+                round,
+                phase: Phase::Training,
+                started_ms: now,
+                plan: None,
+                decided_at_ms: 0,
+                deadline_ms,
+                predicted_exchange_s: predicted,
+                inner_steps: 0,
+                step_time_s: 0.0,
+                train_loss: None,
+                ready_at_ms: None,
+                exchange_started_ms: None,
+                exchange_done_ms: None,
+                outcomes: Vec::new(),
+                mixing: None,
+            });
+            if let Some((plan, decided_at)) = self.early_plans.remove(&round) {
+                self.take_plan(plan, decided_at, out);
+            }
+        }
+    }
+
+    fn on_decided(&mut self, plan: RoundPlan, now: u64, out: &mut Vec<Output>) {
+        match self.active.as_ref() {
+            Some(a) if a.round == plan.round => self.take_plan(plan, now, out),
+            _ if plan.is_member && plan.round >= self.next_round => {
+                self.early_plans.insert(plan.round, (plan, now));
+            }
+            _ => {}
+        }
+    }
+
+    /// Gives the round in flight its decided plan: its neighbours, and the train deadline
+    /// predicted with their links.
+    fn take_plan(&mut self, plan: RoundPlan, decided_at: u64, out: &mut Vec<Output>) {
+        let timing = self.schedule.timing().clone();
+        let Some(a) = self.active.as_mut() else {
+            return;
+        };
+        out.push(Output::Status(StatusChange::Neighbours(
+            plan.neighbours.clone(),
+        )));
+        let predicted = self.links.predicted_exchange_s(
+            self.config.payload_bytes,
+            &timing,
+            Some(&plan.neighbours),
+            self.config.upload_cap,
+        );
+        a.predicted_exchange_s = predicted;
+        a.decided_at_ms = decided_at;
+        let deadline_ms = train_deadline(&timing, a.round, predicted, self.finish_time.get());
+        if a.phase == Phase::Training && deadline_ms != a.deadline_ms {
+            a.deadline_ms = deadline_ms;
+            out.push(Output::MoveDeadline {
+                round: a.round,
+                deadline_ms,
+            });
+        }
+        a.plan = Some(plan);
+    }
+
+    /// Starts the exchange once both the plan and the payload are there.
+    fn exchange_if_ready(&mut self, now: u64, out: &mut Vec<Output>) {
+        let (me, topology) = (self.me, self.schedule.timing().topology);
+        let Some(a) = self.active.as_mut() else {
+            return;
+        };
+        if a.phase != Phase::Agreeing {
+            return;
+        }
+        let Some(plan) = a.plan.as_ref() else {
+            return;
+        };
+        a.exchange_started_ms = Some(now);
+        if plan.neighbours.is_empty() {
+            a.exchange_done_ms = Some(now);
+            Self::start_finish(&me, topology, a, out);
+            return;
+        }
+        a.phase = Phase::Exchanging;
+        out.push(Output::Status(StatusChange::Exchanging));
+        out.push(Output::StartExchange {
+            round: a.round,
+            neighbours: plan.neighbours.clone(),
+        });
+    }
+
+    fn make_record(&self, a: InFlight, val_loss: Option<f64>, now: u64) -> RoundRecord {
+        let timing = self.schedule.timing();
+        let round_start = timing.round_start(a.round);
+        let strings = |v: &[PeerId]| v.iter().map(|p| p.to_string()).collect::<Vec<_>>();
+        let seconds = |from: Option<u64>, to: Option<u64>| match (from, to) {
+            (Some(f), Some(t)) => t.saturating_sub(f) as f64 / 1000.0,
+            _ => 0.0,
+        };
+        let plan = a.plan.as_ref();
+        let (mut exchanged, mut refused, mut failed) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut bytes_received, mut transfer) = (0, Duration::ZERO);
+        for (peer, outcome) in &a.outcomes {
+            match outcome {
+                Outcome::Swapped { bytes, transfer: t } => {
+                    bytes_received += bytes;
+                    transfer = transfer.max(*t);
+                    exchanged.push(peer.to_string());
+                }
+                Outcome::Refused(why) => refused.push((peer.to_string(), why.clone())),
+                Outcome::Failed(why) => failed.push((peer.to_string(), why.clone())),
+            }
+        }
+        let mixing = match (plan, a.mixing.as_ref()) {
+            (Some(plan), Some(row)) => {
+                let name = |j: usize| match plan.members.get(j) {
+                    Some(p) => p.to_string(),
+                    None => self.me.to_string(),
+                };
+                let mut weights = vec![(self.me.to_string(), row.weight(row.worker))];
+                weights.extend(row.neighbours().map(|j| (name(j), row.weight(j))));
+                weights
+            }
+            _ => vec![(self.me.to_string(), 1.0)],
+        };
+        RoundRecord {
+            peer: self.me.to_string(),
+            round: a.round,
+            is_member: plan.is_some_and(|p| p.is_member),
+            members: plan.map(|p| strings(&p.members)).unwrap_or_default(),
+            permutation: plan.map(|p| strings(&p.permutation)).unwrap_or_default(),
+            neighbours: plan.map(|p| strings(&p.neighbours)).unwrap_or_default(),
+            bytes_sent: self.config.payload_bytes * exchanged.len() as u64,
+            exchanged,
+            refused,
+            failed,
+            mixing,
+            bytes_received,
+            inner_steps: a.inner_steps,
+            step_time_s: a.step_time_s,
+            budget_s: a.deadline_ms.saturating_sub(round_start) as f64 / 1000.0,
+            predicted_exchange_s: a.predicted_exchange_s,
+            exchange_s: seconds(a.exchange_started_ms, a.exchange_done_ms),
+            transfer_s: transfer.as_secs_f64(),
+            wait_s: seconds(a.ready_at_ms, a.exchange_done_ms),
+            finish_s: seconds(a.exchange_done_ms, Some(now)),
+            round_s: seconds(Some(a.started_ms), Some(now)),
+            train_loss: a.train_loss,
+            val_loss,
+            decided_after_ms: a.decided_at_ms.saturating_sub(round_start),
+            last_commit_after_ms: plan.map_or(0, |p| {
+                p.last_commit_at_ms
+                    .saturating_sub(timing.commit_opens(a.round))
+            }),
+            last_reveal_after_ms: plan.map_or(0, |p| {
+                p.last_reveal_at_ms
+                    .saturating_sub(timing.commit_deadline(a.round))
+            }),
+            control_messages: 0,
+            connected_peers: 0,
+            reachability: String::new(),
+            hole_punches: 0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gasloc_proto::topology::Topology;
+    use libp2p::identity::Keypair;
+    use rand::{Rng, SeedableRng};
+
+    const GENESIS: u64 = 1_000_000;
+    const PERIOD: u64 = 10_000;
+    const TIMEOUT: u64 = 3000;
+
+    fn timing(topology: Topology) -> Timing {
+        Timing {
+            genesis_ms: GENESIS,
+            period_ms: PERIOD,
+            commit_window_ms: 1000,
+            reveal_window_ms: 1000,
+            exchange_timeout_ms: TIMEOUT,
+            topology,
+        }
+    }
+
+    fn peer(i: usize) -> PeerId {
+        Keypair::ed25519_from_bytes([i as u8 + 1; 32])
+            .unwrap()
+            .public()
+            .to_peer_id()
+    }
+
+    /// `n` machines on a perfect control plane (every publish reaches every other machine
+    /// at once); the tests play the trainer and the exchange.
+    struct Swarm {
+        machines: Vec<RoundMachine>,
+    }
+
+    impl Swarm {
+        fn new(n: usize, topology: Topology, rounds: u64, now: u64) -> Swarm {
+            let machines = (0..n)
+                .map(|i| {
+                    let config = MachineConfig {
+                        rounds,
+                        payload_bytes: 1000,
+                        upload_cap: None,
+                        withhold_reveals: false,
+                    };
+                    let schedule = RoundSchedule::new(timing(topology), [7; 32], peer(i));
+                    let nonces = StdRng::seed_from_u64(i as u64);
+                    RoundMachine::new(peer(i), config, schedule, nonces, now)
+                })
+                .collect();
+            Swarm { machines }
+        }
+
+        /// Gives machine `i` an input and delivers what it publishes; returns its outputs
+        /// (the publishes of others it triggers are delivered too, not returned).
+        fn input(&mut self, i: usize, input: Input, now: u64) -> Vec<Output> {
+            let out = self.machines[i].handle(input, now);
+            self.deliver(i, &out, now);
+            out
+        }
+
+        fn deliver(&mut self, from: usize, outputs: &[Output], now: u64) {
+            for output in outputs {
+                let Output::Publish { round, body } = output else {
+                    continue;
+                };
+                for j in 0..self.machines.len() {
+                    if j == from {
+                        continue;
+                    }
+                    let message = ControlMessage {
+                        run_id: vec![7; 32],
+                        round: *round,
+                        body: Some(body.clone()),
+                    };
+                    let more = self.machines[j].handle(
+                        Input::Control {
+                            source: peer(from),
+                            message,
+                        },
+                        now,
+                    );
+                    self.deliver(j, &more, now);
+                }
+            }
+        }
+
+        /// Machine `i` ends `round`'s training at `trained_at` and swaps with every
+        /// neighbour at `swapped_at`; returns what the swap's outcome made it do.
+        fn train_and_swap(
+            &mut self,
+            i: usize,
+            round: u64,
+            trained_at: u64,
+            swapped_at: u64,
+        ) -> Vec<Output> {
+            let out = self.input(i, trained(round), trained_at);
+            let neighbours = exchange_of(&out).expect("the exchange starts");
+            let outcomes = neighbours.into_iter().map(|p| (p, swapped())).collect();
+            self.input(i, Input::Exchanged { round, outcomes }, swapped_at)
+        }
+
+        /// Ticks every machine at `now`; returns each one's outputs.
+        fn tick(&mut self, now: u64) -> Vec<Vec<Output>> {
+            (0..self.machines.len())
+                .map(|i| self.input(i, Input::Tick, now))
+                .collect()
+        }
+    }
+
+    fn start(round: u64) -> u64 {
+        GENESIS + round * PERIOD
+    }
+
+    fn trained(round: u64) -> Input {
+        Input::Trained {
+            round,
+            inner_steps: 10,
+            step_time_s: 0.1,
+            train_loss: Some(2.0),
+        }
+    }
+
+    fn swapped() -> Outcome {
+        Outcome::Swapped {
+            bytes: 1000,
+            transfer: Duration::from_millis(40),
+        }
+    }
+
+    fn find<T>(out: &[Output], f: impl Fn(&Output) -> Option<T>) -> Option<T> {
+        out.iter().find_map(f)
+    }
+
+    fn exchange_of(out: &[Output]) -> Option<Vec<PeerId>> {
+        find(out, |o| match o {
+            Output::StartExchange { neighbours, .. } => Some(neighbours.clone()),
+            _ => None,
+        })
+    }
+
+    fn finish_of(out: &[Output]) -> Option<(MixingRow, Vec<(usize, PeerId)>)> {
+        find(out, |o| match o {
+            Output::Finish {
+                mixing, arrived, ..
+            } => Some((mixing.clone(), arrived.clone())),
+            _ => None,
+        })
+    }
+
+    fn record_of(out: &[Output]) -> Option<RoundRecord> {
+        find(out, |o| match o {
+            Output::Record(r) => Some((**r).clone()),
+            _ => None,
+        })
+    }
+
+    fn training_of(out: &[Output]) -> Option<(u64, u64)> {
+        find(out, |o| match o {
+            Output::StartTraining { round, deadline_ms } => Some((*round, *deadline_ms)),
+            _ => None,
+        })
+    }
+
+    /// Runs the swarm to round `round`'s decision: commits, start, reveals, plan.
+    fn to_decision(s: &mut Swarm, round: u64) -> Vec<Vec<Output>> {
+        s.tick(start(round) - 1000);
+        let started = s.tick(start(round));
+        s.tick(start(round) + 1000);
+        started
+    }
+
+    #[test]
+    fn a_round_runs_from_commit_to_record() {
+        let mut s = Swarm::new(2, Topology::OnePeer, 1, start(0) - PERIOD);
+        assert_eq!(s.machines[0].next_wakeup(), Some(start(0) - 1000));
+        let commits = s.tick(start(0) - 1000);
+        assert!(matches!(
+            commits[0][..],
+            [
+                Output::Publish {
+                    round: 0,
+                    body: Body::Commit(_)
+                },
+                Output::Publish {
+                    round: 0,
+                    body: Body::Announce(_)
+                }
+            ]
+        ));
+        let started = s.tick(start(0));
+        // No link known yet: the deadline leaves the margin (5 % of the period) only.
+        assert_eq!(training_of(&started[0]), Some((0, start(1) - 500)));
+        assert_eq!(s.machines[0].phase(), Some((0, Phase::Training)));
+        s.tick(start(0) + 1000);
+        let out = s.input(0, trained(0), start(0) + 5000);
+        assert_eq!(exchange_of(&out), Some(vec![peer(1)]));
+        let out = s.input(
+            0,
+            Input::Exchanged {
+                round: 0,
+                outcomes: vec![(peer(1), swapped())],
+            },
+            start(0) + 5100,
+        );
+        let (row, arrived) = finish_of(&out).unwrap();
+        assert_eq!(row.weight(row.worker), 0.5);
+        let other = row.neighbours().next().unwrap();
+        assert_eq!(row.weight(other), 0.5);
+        assert_eq!(arrived, vec![(other, peer(1))]);
+        let out = s.input(
+            0,
+            Input::Finished {
+                round: 0,
+                val_loss: Some(1.5),
+            },
+            start(0) + 5300,
+        );
+        let record = record_of(&out).unwrap();
+        assert_eq!(record.exchanged, vec![peer(1).to_string()]);
+        assert_eq!(record.bytes_sent, 1000);
+        assert_eq!(record.bytes_received, 1000);
+        assert_eq!(record.inner_steps, 10);
+        assert_eq!((record.exchange_s, record.wait_s), (0.1, 0.1));
+        assert_eq!((record.finish_s, record.round_s), (0.2, 5.3));
+        assert_eq!(record.decided_after_ms, 1000);
+        assert_eq!(record.val_loss, Some(1.5));
+        assert_eq!(record.mixing[0], (peer(0).to_string(), 0.5));
+        // Its commit, announce and reveal came from the other node.
+        assert_eq!(record.control_messages, 3);
+        assert!(s.machines[0].is_done(), "one round asked for");
+    }
+
+    #[test]
+    fn a_failed_or_refused_neighbour_is_mixed_as_missing() {
+        let mut s = Swarm::new(3, Topology::TwoPeer, 10, start(0) - PERIOD);
+        to_decision(&mut s, 0);
+        let out = s.input(0, trained(0), start(0) + 5000);
+        let neighbours = exchange_of(&out).unwrap();
+        assert_eq!(neighbours.len(), 2);
+        // One swap succeeded; the other timed out: ⅔ self, ⅓ the neighbour that arrived.
+        let out = s.input(
+            0,
+            Input::Exchanged {
+                round: 0,
+                outcomes: vec![
+                    (neighbours[0], swapped()),
+                    (neighbours[1], Outcome::Failed("deadline".into())),
+                ],
+            },
+            start(0) + 8000,
+        );
+        let (row, arrived) = finish_of(&out).unwrap();
+        assert_eq!(row.weight(row.worker), 2.0 / 3.0);
+        assert_eq!(arrived.len(), 1);
+        assert_eq!(row.weight(arrived[0].0), 1.0 / 3.0);
+        assert_eq!(row.terms.len(), 2);
+        let out = s.input(
+            0,
+            Input::Finished {
+                round: 0,
+                val_loss: None,
+            },
+            start(0) + 8100,
+        );
+        let record = record_of(&out).unwrap();
+        assert_eq!(record.failed.len(), 1);
+        assert_eq!(record.failed[0].0, neighbours[1].to_string());
+
+        // Round 1: one payload refused, the other's outcome never reported.
+        to_decision(&mut s, 1);
+        let out = s.input(0, trained(1), start(1) + 5000);
+        let neighbours = exchange_of(&out).unwrap();
+        let out = s.input(
+            0,
+            Input::Exchanged {
+                round: 1,
+                outcomes: vec![(neighbours[0], Outcome::Refused("checksum".into()))],
+            },
+            start(1) + 5500,
+        );
+        let (row, arrived) = finish_of(&out).unwrap();
+        assert_eq!(row.terms, vec![(row.worker, 3)], "alone, weight 1");
+        assert!(arrived.is_empty());
+        let out = s.input(
+            0,
+            Input::Finished {
+                round: 1,
+                val_loss: None,
+            },
+            start(1) + 5600,
+        );
+        let record = record_of(&out).unwrap();
+        assert_eq!(
+            record.refused,
+            vec![(neighbours[0].to_string(), "checksum".into())]
+        );
+        assert_eq!(record.failed.len(), 1, "no outcome counts as failed");
+        assert_eq!(record.mixing, vec![(peer(0).to_string(), 1.0)]);
+    }
+
+    #[test]
+    fn a_plan_decided_while_the_round_before_finishes_is_taken_when_the_round_starts() {
+        let mut s = Swarm::new(2, Topology::OnePeer, 10, start(0) - PERIOD);
+        to_decision(&mut s, 0);
+        s.train_and_swap(0, 0, start(0) + 5000, start(0) + 6000);
+        // Node 0's outer step of round 0 runs past round 1's start and decision.
+        s.tick(start(1) - 1000);
+        let busy = s.tick(start(1));
+        assert_eq!(training_of(&busy[0]), None, "still finishing round 0");
+        s.tick(start(1) + 1000);
+        assert_eq!(s.machines[0].phase(), Some((0, Phase::Finishing)));
+        let out = s.input(
+            0,
+            Input::Finished {
+                round: 0,
+                val_loss: None,
+            },
+            start(1) + 1500,
+        );
+        assert!(record_of(&out).is_some());
+        // Round 1 starts at once, with its plan: neighbours known, deadline from their link.
+        let (round, _) = training_of(&out).unwrap();
+        assert_eq!(round, 1);
+        assert!(out
+            .iter()
+            .any(|o| *o == Output::Status(StatusChange::Neighbours(vec![peer(1)]))));
+        let out = s.input(0, trained(1), start(1) + 4000);
+        assert_eq!(exchange_of(&out), Some(vec![peer(1)]));
+    }
+
+    #[test]
+    fn a_round_reached_after_it_ended_is_skipped() {
+        let mut s = Swarm::new(2, Topology::OnePeer, 10, start(0) - PERIOD);
+        to_decision(&mut s, 0);
+        s.train_and_swap(0, 0, start(0) + 5000, start(0) + 6000);
+        // Node 0's outer step takes until round 2: it committed to rounds 1 and 2 meanwhile.
+        to_decision(&mut s, 1);
+        s.tick(start(2) - 1000);
+        let out = s.input(
+            0,
+            Input::Finished {
+                round: 0,
+                val_loss: None,
+            },
+            start(2) + 10,
+        );
+        assert_eq!(s.machines[0].rounds_done(), (1, 1), "round 1 skipped");
+        assert_eq!(training_of(&out).map(|t| t.0), Some(2));
+    }
+
+    #[test]
+    fn a_node_too_late_to_commit_waits_for_the_next_joinable_round() {
+        let mut s = Swarm::new(2, Topology::OnePeer, 10, start(0) - PERIOD);
+        // Node 0 wakes only after round 0's commit window closed for late nodes.
+        let out = s.input(0, Input::Tick, start(0) - 400);
+        assert!(out.is_empty(), "{out:?}");
+        let out = s.input(0, Input::Tick, start(0) + 10);
+        assert_eq!(training_of(&out), None, "round 0 not joined");
+        let out = s.input(0, Input::Tick, start(1) - 1000);
+        assert!(matches!(
+            out[..],
+            [
+                Output::Publish {
+                    round: 1,
+                    body: Body::Commit(_)
+                },
+                ..
+            ]
+        ));
+        assert_eq!(s.machines[0].rounds_done(), (0, 0), "nothing missed");
+    }
+
+    #[test]
+    fn a_stop_withdraws_unrevealed_rounds_and_finishes_the_round_in_flight() {
+        let mut s = Swarm::new(2, Topology::OnePeer, 10, start(0) - PERIOD);
+        to_decision(&mut s, 0);
+        s.tick(start(1) - 1000); // commits to round 1
+        let out = s.input(0, Input::Stop, start(1) - 900);
+        assert_eq!(out, vec![Output::Status(StatusChange::Stopping)]);
+        assert!(!s.machines[0].schedule().has_joined(1));
+        assert!(!s.machines[0].is_done(), "round 0 is in flight");
+        // Round 0 still exchanges, so its partner gets its payload.
+        let out = s.train_and_swap(0, 0, start(1) - 800, start(1) - 700);
+        assert!(finish_of(&out).is_some());
+        let out = s.input(
+            0,
+            Input::Finished {
+                round: 0,
+                val_loss: None,
+            },
+            start(1) - 600,
+        );
+        assert!(record_of(&out).is_some());
+        assert!(s.machines[0].is_done());
+        // No reveal for round 1, no new round, no commit to round 2.
+        let later = s.tick(start(1));
+        assert!(later[0].is_empty(), "{:?}", later[0]);
+        s.tick(start(1) + 1000);
+        let out = s.input(0, Input::Tick, start(2) - 1000);
+        assert!(out.is_empty(), "{out:?}");
+        // The other node saw node 0 withdraw: it is alone in round 1.
+        let other = &s.machines[1];
+        assert_eq!(other.phase(), Some((0, Phase::Training)));
+    }
+
+    #[test]
+    fn a_stop_between_rounds_is_done_at_once() {
+        let mut s = Swarm::new(1, Topology::OnePeer, 10, start(0) - PERIOD);
+        s.tick(start(0) - 1000);
+        s.input(0, Input::Stop, start(0) - 500);
+        assert!(s.machines[0].is_done());
+    }
+
+    #[test]
+    fn inputs_in_any_order_never_panic() {
+        let mut rng = StdRng::seed_from_u64(11);
+        let mut s = Swarm::new(3, Topology::TwoPeer, 20, start(0) - PERIOD);
+        let mut now = start(0) - PERIOD;
+        for _ in 0..5000 {
+            now += rng.random_range(0..400);
+            let i = rng.random_range(0..3);
+            let round = s.machines[i]
+                .phase()
+                .map_or(0, |(r, _)| r)
+                .saturating_add_signed(rng.random_range(-1..=1));
+            let neighbour = peer(rng.random_range(0..4));
+            let input = match rng.random_range(0..9) {
+                0 => trained(round),
+                1 => Input::Exchanged {
+                    round,
+                    outcomes: vec![
+                        (neighbour, swapped()),
+                        (neighbour, Outcome::Failed("x".into())),
+                    ],
+                },
+                2 => Input::Finished {
+                    round,
+                    val_loss: None,
+                },
+                3 if rng.random_bool(0.02) => Input::Stop,
+                4 => Input::Control {
+                    source: neighbour,
+                    message: ControlMessage {
+                        run_id: vec![],
+                        round,
+                        body: Some(Body::Reveal(Reveal {
+                            nonce: vec![1, 2, 3],
+                        })),
+                    },
+                },
+                _ => Input::Tick,
+            };
+            s.input(i, input, now);
+            let m = &s.machines[i];
+            let (finished, skipped) = m.rounds_done();
+            assert!(finished + skipped <= 20);
+        }
+    }
+}
