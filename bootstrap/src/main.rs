@@ -200,12 +200,8 @@ async fn main() -> Result<()> {
             timing: Some(timing.to_wire()),
             error: String::new(),
         })
-        .await
-        .map_err(anyhow::Error::msg)?;
-    client
-        .join_run(run_id, Some(timing))
-        .await
-        .map_err(anyhow::Error::msg)?;
+        .await?;
+    client.join_run(run_id, Some(timing)).await?;
 
     loop {
         tokio::select! {

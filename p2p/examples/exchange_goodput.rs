@@ -188,13 +188,7 @@ async fn loopback(bytes: usize) -> Result<()> {
 
 async fn wait_connected(network: &Network, peer: PeerId) -> Result<()> {
     for _ in 0..600 {
-        if network
-            .client
-            .connected_peers()
-            .await
-            .map_err(anyhow::Error::msg)?
-            .contains(&peer)
-        {
+        if network.client.connected_peers().await?.contains(&peer) {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

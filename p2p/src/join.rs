@@ -10,7 +10,7 @@ use crate::driver::{DriverOptions, RoundDriver, RoundRecord};
 use crate::exchange::SendOptions;
 use crate::exchange_service::{ExchangeConfig, ExchangeService};
 use crate::manifest_service::verify_manifest_response;
-use crate::network::{self, peer_id_of, Reachability};
+use crate::network::{self, peer_id_of, ClientError, Reachability};
 use crate::schedule::{RoundSchedule, Timing};
 use crate::synthetic::SyntheticTrainer;
 use crate::upload_limit::{parse_rate, UploadLimiter};
@@ -225,10 +225,7 @@ pub async fn run(
         wants_state,
     } = make_work(&context)?;
 
-    client
-        .join_run(run_id, Some(timing.clone()))
-        .await
-        .map_err(anyhow::Error::msg)?;
+    client.join_run(run_id, Some(timing.clone())).await?;
     let mut exchange_config = ExchangeConfig::new(run_id);
     exchange_config.accept_wait = Duration::from_millis(timing.exchange_timeout_ms);
     let service = ExchangeService::start(me, client.stream_control(), exchange_config)?;
@@ -366,6 +363,8 @@ async fn fetch_manifest(
                         })?;
                     return Ok((manifest, timing));
                 }
+                // Asking again would not help.
+                Err(e @ ClientError::NetworkStopped) => return Err(e.into()),
                 Err(e) => last_error = format!("bootstrap {peer}: {e}"),
             }
         }
@@ -377,7 +376,7 @@ async fn fetch_manifest(
 
 async fn wait_for_topic_peers(client: &network::Client, min_peers: usize) -> anyhow::Result<()> {
     for _ in 0..600 {
-        let peers = client.topic_peers().await.map_err(anyhow::Error::msg)?;
+        let peers = client.topic_peers().await?;
         if peers.len() >= min_peers {
             return Ok(());
         }

@@ -64,29 +64,14 @@ impl LocalSwarm {
             networks.push(network::start(Keypair::generate_ed25519(), config).await?);
         }
         for network in &networks {
-            network
-                .client
-                .join_run(self.run_id, None)
-                .await
-                .map_err(anyhow::Error::msg)?;
+            network.client.join_run(self.run_id, None).await?;
         }
         // Bounded wait: the hub sees everyone on the topic, everyone sees the hub.
         let mut ready = false;
         for _ in 0..400 {
-            ready = networks[0]
-                .client
-                .topic_peers()
-                .await
-                .map_err(anyhow::Error::msg)?
-                .len()
-                >= n - 1;
+            ready = networks[0].client.topic_peers().await?.len() >= n - 1;
             for network in &networks[1..] {
-                ready &= !network
-                    .client
-                    .topic_peers()
-                    .await
-                    .map_err(anyhow::Error::msg)?
-                    .is_empty();
+                ready &= !network.client.topic_peers().await?.is_empty();
             }
             if ready {
                 break;

@@ -4,6 +4,8 @@
 //! [`Command`]s through a [`Client`] and receives [`NetworkEvent`]s on a channel (the
 //! rust-libp2p `file-sharing` example pattern). Bulk streams do not pass through the loop:
 //! [`Client::stream_control`] gives a `libp2p_stream::Control` for the exchange protocols.
+//! A request the loop cannot carry out fails with a [`ClientError`] that says why (the loop
+//! is gone, or what the swarm refused).
 
 use crate::config::{NetworkConfig, Role};
 use crate::control::{run_topic, ControlValidator};
@@ -17,7 +19,8 @@ use libp2p::gossipsub::{self, IdentTopic};
 use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
 use libp2p::request_response::{self, OutboundRequestId};
-use libp2p::swarm::{ConnectionId, SwarmEvent};
+use libp2p::swarm::dial_opts::DialOpts;
+use libp2p::swarm::{ConnectionId, DialError, SwarmEvent};
 use libp2p::{autonat, dcutr, identify, kad, mdns, Multiaddr, PeerId, Swarm};
 use prost::Message;
 use std::collections::{HashMap, HashSet};
@@ -66,6 +69,37 @@ impl From<autonat::NatStatus> for Reachability {
     }
 }
 
+/// Why a [`Client`] request failed. `NetworkStopped` means the event loop is gone (after
+/// [`Client::shutdown`], or when the swarm task ended); the others are the swarm's own
+/// refusals of one request, and the network goes on.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("the network event loop has stopped")]
+    NetworkStopped,
+    #[error("publish before joining a run")]
+    NotJoined,
+    #[error("cannot subscribe to {topic}: {error}")]
+    Subscribe {
+        topic: String,
+        error: gossipsub::SubscriptionError,
+    },
+    /// Refused by this node itself: peers' validators would drop it.
+    #[error("publish failed: control message of {len} bytes exceeds the cap of {cap}")]
+    MessageTooLarge { len: usize, cap: usize },
+    #[error("publish failed: {0}")]
+    Publish(gossipsub::PublishError),
+    #[error("cannot dial {address}: {error}")]
+    Dial {
+        address: Multiaddr,
+        error: DialError,
+    },
+    #[error("manifest request to {peer} failed: {error}")]
+    ManifestRequest {
+        peer: PeerId,
+        error: request_response::OutboundFailure,
+    },
+}
+
 /// What the event loop reports.
 #[derive(Debug, Clone)]
 pub enum NetworkEvent {
@@ -90,11 +124,11 @@ pub enum Command {
     JoinRun {
         run_id: [u8; DIGEST_LEN],
         timing: Option<Timing>,
-        reply: oneshot::Sender<Result<(), String>>,
+        reply: oneshot::Sender<Result<(), ClientError>>,
     },
     Publish {
         message: ControlMessage,
-        reply: oneshot::Sender<Result<(), String>>,
+        reply: oneshot::Sender<Result<(), ClientError>>,
     },
     TopicPeers {
         reply: oneshot::Sender<Vec<PeerId>>,
@@ -104,11 +138,11 @@ pub enum Command {
     },
     Dial {
         address: Multiaddr,
-        reply: oneshot::Sender<Result<(), String>>,
+        reply: oneshot::Sender<Result<(), ClientError>>,
     },
     RequestManifest {
         peer: PeerId,
-        reply: oneshot::Sender<Result<ManifestResponse, String>>,
+        reply: oneshot::Sender<Result<ManifestResponse, ClientError>>,
     },
     ServeManifest {
         response: ManifestResponse,
@@ -132,8 +166,6 @@ pub struct Network {
     pub task: tokio::task::JoinHandle<()>,
 }
 
-const LOOP_GONE: &str = "the network event loop has stopped";
-
 impl Client {
     pub fn peer_id(&self) -> PeerId {
         self.peer_id
@@ -144,13 +176,16 @@ impl Client {
         self.stream_control.clone()
     }
 
-    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Command) -> Result<T, String> {
+    async fn ask<T>(
+        &self,
+        make: impl FnOnce(oneshot::Sender<T>) -> Command,
+    ) -> Result<T, ClientError> {
         let (tx, rx) = oneshot::channel();
         self.commands
             .send(make(tx))
             .await
-            .map_err(|_| LOOP_GONE.to_string())?;
-        rx.await.map_err(|_| LOOP_GONE.to_string())
+            .map_err(|_| ClientError::NetworkStopped)?;
+        rx.await.map_err(|_| ClientError::NetworkStopped)
     }
 
     /// Subscribes to the run's topic and validates its messages against `run_id` (and the
@@ -159,7 +194,7 @@ impl Client {
         &self,
         run_id: [u8; DIGEST_LEN],
         timing: Option<Timing>,
-    ) -> Result<(), String> {
+    ) -> Result<(), ClientError> {
         self.ask(|reply| Command::JoinRun {
             run_id,
             timing,
@@ -168,34 +203,40 @@ impl Client {
         .await?
     }
 
-    pub async fn publish(&self, message: ControlMessage) -> Result<(), String> {
+    /// Publishes a control message on the run's topic (refused before [`Self::join_run`]
+    /// and above the control-message cap).
+    pub async fn publish(&self, message: ControlMessage) -> Result<(), ClientError> {
         self.ask(|reply| Command::Publish { message, reply })
             .await?
     }
 
     /// Peers known to be subscribed to the run's topic.
-    pub async fn topic_peers(&self) -> Result<Vec<PeerId>, String> {
+    pub async fn topic_peers(&self) -> Result<Vec<PeerId>, ClientError> {
         self.ask(|reply| Command::TopicPeers { reply }).await
     }
 
-    pub async fn connected_peers(&self) -> Result<Vec<PeerId>, String> {
+    pub async fn connected_peers(&self) -> Result<Vec<PeerId>, ClientError> {
         self.ask(|reply| Command::ConnectedPeers { reply }).await
     }
 
-    pub async fn dial(&self, address: Multiaddr) -> Result<(), String> {
+    /// Dials `address`; returns once the connection is established or failed.
+    pub async fn dial(&self, address: Multiaddr) -> Result<(), ClientError> {
         self.ask(|reply| Command::Dial { address, reply }).await?
     }
 
-    pub async fn request_manifest(&self, peer: PeerId) -> Result<ManifestResponse, String> {
+    /// Asks `peer` for the manifest it serves (the response is not verified here: see
+    /// [`crate::manifest_service::verify_manifest_response`]).
+    pub async fn request_manifest(&self, peer: PeerId) -> Result<ManifestResponse, ClientError> {
         self.ask(|reply| Command::RequestManifest { peer, reply })
             .await?
     }
 
-    pub async fn serve_manifest(&self, response: ManifestResponse) -> Result<(), String> {
+    /// Serves `response` to every manifest request from now on.
+    pub async fn serve_manifest(&self, response: ManifestResponse) -> Result<(), ClientError> {
         self.commands
             .send(Command::ServeManifest { response })
             .await
-            .map_err(|_| LOOP_GONE.to_string())
+            .map_err(|_| ClientError::NetworkStopped)
     }
 
     pub async fn shutdown(&self) {
@@ -314,6 +355,14 @@ pub async fn start_with_metrics(
     })
 }
 
+/// A manifest request in flight: whom it went to, and who waits for the answer.
+type PendingManifest = (
+    PeerId,
+    oneshot::Sender<Result<ManifestResponse, ClientError>>,
+);
+/// A dial in flight: the address, and who waits for the connection.
+type PendingDial = (Multiaddr, oneshot::Sender<Result<(), ClientError>>);
+
 /// Owns the swarm; runs until `Shutdown` or until every `Client` is dropped.
 pub struct EventLoop {
     swarm: Swarm<GaslocBehaviour>,
@@ -323,8 +372,8 @@ pub struct EventLoop {
     topic: Option<IdentTopic>,
     validator: Option<ControlValidator>,
     served_manifest: Option<ManifestResponse>,
-    pending_manifest: HashMap<OutboundRequestId, oneshot::Sender<Result<ManifestResponse, String>>>,
-    pending_dials: HashMap<ConnectionId, oneshot::Sender<Result<(), String>>>,
+    pending_manifest: HashMap<OutboundRequestId, PendingManifest>,
+    pending_dials: HashMap<ConnectionId, PendingDial>,
     bootstrap_peers: HashSet<PeerId>,
     /// The address this node dialled each connected bootstrap node at (a relay circuit on
     /// it is reached through there).
@@ -374,7 +423,10 @@ impl EventLoop {
                     .gossipsub
                     .subscribe(&topic)
                     .map(|_| ())
-                    .map_err(|e| format!("cannot subscribe to {topic}: {e}"));
+                    .map_err(|error| ClientError::Subscribe {
+                        topic: topic.to_string(),
+                        error,
+                    });
                 self.validator = Some(ControlValidator::new(
                     run_id,
                     timing,
@@ -389,19 +441,19 @@ impl EventLoop {
                 let data = message.encode_to_vec();
                 let cap = self.config.control_max_bytes;
                 let result = match &self.topic {
-                    None => Err("publish before joining a run".to_string()),
+                    None => Err(ClientError::NotJoined),
                     // Peers' validators would refuse it: do not send it at all.
-                    Some(_) if data.len() > cap => Err(format!(
-                        "publish failed: control message of {} bytes exceeds the cap of {cap}",
-                        data.len()
-                    )),
+                    Some(_) if data.len() > cap => Err(ClientError::MessageTooLarge {
+                        len: data.len(),
+                        cap,
+                    }),
                     Some(topic) => self
                         .swarm
                         .behaviour_mut()
                         .gossipsub
                         .publish(topic.clone(), data)
                         .map(|_| ())
-                        .map_err(|e| format!("publish failed: {e}")),
+                        .map_err(ClientError::Publish),
                 };
                 let _ = reply.send(result);
             }
@@ -425,14 +477,14 @@ impl EventLoop {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
             }
             Command::Dial { address, reply } => {
-                let opts = libp2p::swarm::dial_opts::DialOpts::from(address.clone());
+                let opts = DialOpts::from(address.clone());
                 let id = opts.connection_id();
                 match self.swarm.dial(opts) {
                     Ok(()) => {
-                        self.pending_dials.insert(id, reply);
+                        self.pending_dials.insert(id, (address, reply));
                     }
-                    Err(e) => {
-                        let _ = reply.send(Err(format!("cannot dial {address}: {e}")));
+                    Err(error) => {
+                        let _ = reply.send(Err(ClientError::Dial { address, error }));
                     }
                 }
             }
@@ -442,7 +494,7 @@ impl EventLoop {
                     .behaviour_mut()
                     .manifest
                     .send_request(&peer, ManifestRequest { run_id: Vec::new() });
-                self.pending_manifest.insert(id, reply);
+                self.pending_manifest.insert(id, (peer, reply));
             }
             Command::ServeManifest { response } => self.served_manifest = Some(response),
             Command::Shutdown => {}
@@ -474,7 +526,7 @@ impl EventLoop {
                 num_established,
                 ..
             } => {
-                if let Some(reply) = self.pending_dials.remove(&connection_id) {
+                if let Some((_, reply)) = self.pending_dials.remove(&connection_id) {
                     let _ = reply.send(Ok(()));
                 }
                 if endpoint.is_relayed() {
@@ -516,8 +568,8 @@ impl EventLoop {
                 peer_id,
             } => {
                 tracing::debug!(?peer_id, %error, "outgoing connection failed");
-                if let Some(reply) = self.pending_dials.remove(&connection_id) {
-                    let _ = reply.send(Err(error.to_string()));
+                if let Some((address, reply)) = self.pending_dials.remove(&connection_id) {
+                    let _ = reply.send(Err(ClientError::Dial { address, error }));
                 }
             }
             _ => {}
@@ -754,7 +806,7 @@ impl EventLoop {
                     request_id,
                     response,
                 } => {
-                    if let Some(reply) = self.pending_manifest.remove(&request_id) {
+                    if let Some((_, reply)) = self.pending_manifest.remove(&request_id) {
                         let _ = reply.send(Ok(response));
                     }
                 }
@@ -762,8 +814,8 @@ impl EventLoop {
             request_response::Event::OutboundFailure {
                 request_id, error, ..
             } => {
-                if let Some(reply) = self.pending_manifest.remove(&request_id) {
-                    let _ = reply.send(Err(format!("manifest request failed: {error}")));
+                if let Some((peer, reply)) = self.pending_manifest.remove(&request_id) {
+                    let _ = reply.send(Err(ClientError::ManifestRequest { peer, error }));
                 }
             }
             _ => {}

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use gasloc_p2p::network::NetworkEvent;
+use gasloc_p2p::network::{ClientError, NetworkEvent};
 use gasloc_proto::wire::{control_message::Body, Commit, ControlMessage, Reveal};
 use libp2p::identity::Keypair;
 use std::time::Duration;
@@ -49,7 +49,11 @@ async fn only_valid_messages_of_the_run_are_delivered_with_their_author() {
         })),
     };
     let err = sender.client.publish(huge).await.unwrap_err();
-    assert!(err.contains("exceeds the cap of 4096"), "{err}");
+    assert!(
+        matches!(err, ClientError::MessageTooLarge { cap: 4096, .. }),
+        "{err:?}"
+    );
+    assert!(err.to_string().contains("exceeds the cap of 4096"), "{err}");
 
     // Another run's message, a malformed nonce: published, but the receiver drops them.
     sender
