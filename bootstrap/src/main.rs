@@ -4,7 +4,8 @@
 //! forwards control messages), runs identify/ping, a relay server and an AutoNAT server
 //! for volunteers behind NAT, and serves the run manifest with the round timing on
 //! `/gasloc/manifest/1`. Several bootstrap nodes can serve one run: give them the same
-//! manifest and the same `--genesis-unix-ms`.
+//! manifest and the same `--genesis-unix-ms`. With `--status-addr` it serves its
+//! `/status` document and `/metrics` through `gasloc-status`.
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -14,10 +15,13 @@ use gasloc_p2p::schedule::Timing;
 use gasloc_proto::topology::Topology;
 use gasloc_proto::wire::ManifestResponse;
 use gasloc_proto::RunManifest;
+use gasloc_status::{BootstrapMetrics, BootstrapStatus, StatusServer};
 use libp2p::Multiaddr;
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::watch;
 
 #[derive(Parser)]
 #[command(version, about = "gasloc bootstrap node")]
@@ -71,41 +75,37 @@ struct Args {
     /// (swarms inside one private network, test networks).
     #[arg(long)]
     autonat_private_ips: bool,
-    /// Serve a JSON status (run, peer id, connected and topic peers) over HTTP on this
-    /// address, e.g. 127.0.0.1:9090 (port 0 picks one; the address is printed as status=…).
+    /// Serve `/status` (JSON: run, peer id, connected and topic peers) and `/metrics`
+    /// (Prometheus, libp2p's included) over HTTP on this address, e.g. 127.0.0.1:9090
+    /// (port 0 picks one; the address is printed as status=…).
     #[arg(long)]
     status_addr: Option<std::net::SocketAddr>,
 }
 
-/// Answers every TCP connection with an HTTP/1.0 response holding one JSON object.
-async fn serve_status(listener: tokio::net::TcpListener, client: network::Client, run_id: String) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// Keeps the bootstrap's `/status` document current: polls the event loop for its
+/// connected and topic peers (gossipsub reports no unsubscriptions, so counting events
+/// would drift) until the network stops.
+async fn keep_status_current(client: network::Client, status: watch::Sender<BootstrapStatus>) {
+    let mut tick = tokio::time::interval(STATUS_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let Ok((mut socket, _)) = listener.accept().await else {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
+        tick.tick().await;
+        let (Ok(connected), Ok(topic)) =
+            (client.connected_peers().await, client.topic_peers().await)
+        else {
+            return;
         };
-        let client = client.clone();
-        let run_id = run_id.clone();
-        tokio::spawn(async move {
-            // Read (and ignore) the request head; answer whatever was asked.
-            let mut request = [0u8; 1024];
-            let _ = tokio::time::timeout(Duration::from_secs(2), socket.read(&mut request)).await;
-            let connected = client.connected_peers().await.unwrap_or_default().len();
-            let topic = client.topic_peers().await.unwrap_or_default().len();
-            let body = format!(
-                "{{\"run_id\":\"{run_id}\",\"peer_id\":\"{}\",\"connected_peers\":{connected},\"topic_peers\":{topic}}}\n",
-                client.peer_id()
-            );
-            let response = format!(
-                "HTTP/1.0 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = socket.write_all(response.as_bytes()).await;
-            let _ = socket.shutdown().await;
+        status.send_if_modified(|s| {
+            let changed = (s.connected_peers, s.topic_peers) != (connected.len(), topic.len());
+            s.connected_peers = connected.len();
+            s.topic_peers = topic.len();
+            changed
         });
     }
 }
+
+/// How often the `/status` document's peer counts are refreshed.
+const STATUS_INTERVAL: Duration = Duration::from_millis(500);
 
 /// The swarm topology named by `--topology` (`from` says where the name came from).
 fn swarm_topology(name: &str, from: &str) -> Result<Topology> {
@@ -160,7 +160,8 @@ async fn main() -> Result<()> {
     config.autonat_private_ips = args.autonat_private_ips;
     config.relay_max_circuits = args.relay_max_circuits;
     config.gossip_heartbeat = Duration::from_millis(200);
-    let mut network = network::start(keypair, config).await?;
+    let mut registry = prometheus_client::registry::Registry::default();
+    let mut network = network::start_with_metrics(keypair, config, Some(&mut registry)).await?;
     let client = network.client.clone();
     let me = client.peer_id();
     let full: Vec<String> = network
@@ -173,13 +174,23 @@ async fn main() -> Result<()> {
     for address in &full {
         println!("listening={address}");
     }
-    if let Some(addr) = args.status_addr {
-        let listener = tokio::net::TcpListener::bind(addr)
-            .await
-            .with_context(|| format!("cannot serve status on {addr}"))?;
-        println!("status={}", listener.local_addr()?);
-        tokio::spawn(serve_status(listener, client.clone(), run_id_hex.clone()));
-    }
+    let _status_server = match args.status_addr {
+        Some(addr) => {
+            let (status, status_rx) = watch::channel(BootstrapStatus {
+                run_id: run_id_hex.clone(),
+                run_name: manifest.name.clone(),
+                peer_id: me.to_string(),
+                ..Default::default()
+            });
+            let metrics = BootstrapMetrics::register(&mut registry);
+            let server =
+                StatusServer::start_bootstrap(addr, status_rx, Arc::new(registry), metrics).await?;
+            println!("status={}", server.addr);
+            tokio::spawn(keep_status_current(client.clone(), status));
+            Some(server)
+        }
+        None => None,
+    };
     if let Some(path) = &args.addr_file {
         let tmp = path.with_extension("tmp");
         let mut file = std::fs::File::create(&tmp)

@@ -1,7 +1,7 @@
-//! gasloc's status endpoint, shared by `gasloc-node` (and usable by the bootstrap node);
-//! no libtorch.
+//! gasloc's status endpoint, shared by `gasloc-node` and `gasloc-bootstrap`; no libtorch.
 //!
-//! * [`snapshot`]: the `/status` document ([`NodeStatus`]) and its round history;
+//! * [`snapshot`]: the `/status` documents ([`NodeStatus`] and its round history; a
+//!   bootstrap node's [`BootstrapStatus`]);
 //! * [`metrics`]: the Prometheus metrics derived from it, in a registry shared with libp2p;
 //! * [`server`]: the axum server for `/status`, `/metrics` and the `/` dashboard page;
 //! * [`client`]: `gasloc-node status --addr`, the same in a terminal.
@@ -11,6 +11,6 @@ pub mod metrics;
 pub mod server;
 pub mod snapshot;
 
-pub use metrics::NodeMetrics;
+pub use metrics::{BootstrapMetrics, NodeMetrics};
 pub use server::StatusServer;
-pub use snapshot::{NodeState, NodeStatus, RoundRecord};
+pub use snapshot::{BootstrapStatus, NodeState, NodeStatus, RoundRecord};

@@ -2,9 +2,9 @@
 //!
 //! Values are copied from the latest [`NodeStatus`] when `/metrics` is scraped, so the
 //! round loop has one place to report to (the status snapshot) and the two views never
-//! disagree.
+//! disagree. A bootstrap node's [`BootstrapMetrics`] come from its [`BootstrapStatus`] alike.
 
-use crate::snapshot::NodeStatus;
+use crate::snapshot::{BootstrapStatus, NodeStatus};
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -101,6 +101,55 @@ impl NodeMetrics {
                 .get_or_create(&PeerLabel { peer: peer.clone() })
                 .set(*rate);
         }
+    }
+}
+
+/// A bootstrap node's own metrics, prefixed `gasloc_`.
+#[derive(Clone, Default)]
+pub struct BootstrapMetrics {
+    connected_peers: Gauge,
+    topic_peers: Gauge,
+}
+
+impl BootstrapMetrics {
+    /// Creates the metrics and registers them under `gasloc_`.
+    pub fn register(registry: &mut Registry) -> BootstrapMetrics {
+        let m = BootstrapMetrics::default();
+        let r = registry.sub_registry_with_prefix("gasloc");
+        r.register(
+            "connected_peers",
+            "Connected peers",
+            m.connected_peers.clone(),
+        );
+        r.register(
+            "topic_peers",
+            "Peers subscribed to the run's topic",
+            m.topic_peers.clone(),
+        );
+        m
+    }
+
+    /// Brings every metric to the snapshot's values.
+    pub fn update(&self, s: &BootstrapStatus) {
+        self.connected_peers.set(s.connected_peers as i64);
+        self.topic_peers.set(s.topic_peers as i64);
+    }
+}
+
+/// Metrics that are brought to a status document's values when `/metrics` is scraped.
+pub(crate) trait UpdateFrom<S>: Clone + Send + Sync + 'static {
+    fn update_from(&self, status: &S);
+}
+
+impl UpdateFrom<NodeStatus> for NodeMetrics {
+    fn update_from(&self, status: &NodeStatus) {
+        self.update(status)
+    }
+}
+
+impl UpdateFrom<BootstrapStatus> for BootstrapMetrics {
+    fn update_from(&self, status: &BootstrapStatus) {
+        self.update(status)
     }
 }
 

@@ -1,8 +1,9 @@
-//! What a node reports about itself: the `/status` JSON document.
+//! What a node reports about itself: the `/status` JSON documents.
 //!
 //! The node's round loop owns a [`NodeStatus`] and publishes a copy after every change
 //! through a `tokio::sync::watch` channel; the HTTP server, the metrics and the terminal
-//! client only read those copies.
+//! client only read those copies. A bootstrap node reports the smaller [`BootstrapStatus`]
+//! the same way.
 
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
@@ -126,6 +127,18 @@ impl NodeStatus {
             0.0
         }
     }
+}
+
+/// A bootstrap node's `/status` document: which run it serves and who it sees.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct BootstrapStatus {
+    pub run_id: String,
+    pub run_name: String,
+    pub peer_id: String,
+    /// Peers the bootstrap node has a connection to.
+    pub connected_peers: usize,
+    /// Peers subscribed to the run's topic, as the bootstrap node's gossipsub knows them.
+    pub topic_peers: usize,
 }
 
 #[cfg(test)]

@@ -1,7 +1,10 @@
 //! The status server over real HTTP on loopback, and its dashboard in headless Chromium.
 
 use gasloc_status::client::{fetch_status, format_status};
-use gasloc_status::{NodeMetrics, NodeState, NodeStatus, RoundRecord, StatusServer};
+use gasloc_status::{
+    BootstrapMetrics, BootstrapStatus, NodeMetrics, NodeState, NodeStatus, RoundRecord,
+    StatusServer,
+};
 use prometheus_client::registry::Registry;
 use std::process::Command;
 use std::sync::Arc;
@@ -100,6 +103,85 @@ async fn status_json_metrics_and_terminal_view_report_the_node() {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
     }
     assert!(metrics.trim_end().ends_with("# EOF"));
+}
+
+/// `GET path` over a plain socket, as HTTP/1.0 (what `tests/tests/bootstrap_cli.rs` and
+/// simple scripts send); the whole response, head included.
+fn http10_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut socket = std::net::TcpStream::connect(addr).unwrap();
+    socket
+        .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    write!(socket, "GET {path} HTTP/1.0\r\n\r\n").unwrap();
+    let mut response = String::new();
+    socket.read_to_string(&mut response).unwrap();
+    response
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bootstrap_status_and_metrics_follow_the_bootstrap_node() {
+    let document = BootstrapStatus {
+        run_id: "36a72869b82fa885360939af62fc87af79302d9c0c44790709fe9d1ce85ac860".into(),
+        run_name: "demo-shakespeare".into(),
+        peer_id: "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN".into(),
+        connected_peers: 3,
+        topic_peers: 2,
+    };
+    let (tx, rx) = watch::channel(document.clone());
+    let mut registry = Registry::default();
+    let metrics = BootstrapMetrics::register(&mut registry);
+    let server = StatusServer::start_bootstrap(
+        "127.0.0.1:0".parse().unwrap(),
+        rx,
+        Arc::new(registry),
+        metrics,
+    )
+    .await
+    .unwrap();
+    let addr = server.addr;
+
+    let response = tokio::task::spawn_blocking(move || http10_get(addr, "/status"))
+        .await
+        .unwrap();
+    assert!(response.starts_with("HTTP/1.0 200 OK"), "{response}");
+    assert!(
+        response
+            .to_ascii_lowercase()
+            .contains("content-type: application/json"),
+        "{response}"
+    );
+    let body = response.split("\r\n\r\n").nth(1).unwrap();
+    let got: BootstrapStatus = serde_json::from_str(body).unwrap();
+    assert_eq!(got, document);
+    // The field names scripts and the end-to-end tests read.
+    let json: serde_json::Value = serde_json::from_str(body).unwrap();
+    assert_eq!(json["run_id"], document.run_id.as_str());
+    assert_eq!(json["peer_id"], document.peer_id.as_str());
+    assert_eq!(
+        (
+            json["connected_peers"].as_u64(),
+            json["topic_peers"].as_u64()
+        ),
+        (Some(3), Some(2))
+    );
+
+    // What the bootstrap publishes next is what the next request sees, at `/` too.
+    tx.send_modify(|s| {
+        s.connected_peers = 5;
+        s.topic_peers = 4;
+    });
+    let (root, metrics) =
+        tokio::task::spawn_blocking(move || (http10_get(addr, "/"), http10_get(addr, "/metrics")))
+            .await
+            .unwrap();
+    let body = root.split("\r\n\r\n").nth(1).unwrap();
+    let got: BootstrapStatus = serde_json::from_str(body).unwrap();
+    assert_eq!((got.connected_peers, got.topic_peers), (5, 4));
+    for line in ["gasloc_connected_peers 5", "gasloc_topic_peers 4"] {
+        assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
+    }
+    assert!(metrics.trim_end().ends_with("# EOF"), "{metrics}");
 }
 
 #[test]
