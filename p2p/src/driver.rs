@@ -202,7 +202,7 @@ impl RoundDriver {
                         {
                             let status = self.status.borrow();
                             record.connected_peers = status.connected_peers;
-                            record.reachability = status.reachability.clone();
+                            record.reachability = status.reachability;
                             record.hole_punches = status.hole_punches;
                         }
                         self.publish_record(&record);
@@ -362,9 +362,9 @@ impl RoundDriver {
             NetworkEvent::Disconnected(_) => self
                 .status
                 .send_modify(|s| s.connected_peers = s.connected_peers.saturating_sub(1)),
-            NetworkEvent::Reachability(reachability) => self
-                .status
-                .send_modify(|s| s.reachability = reachability.as_str().into()),
+            NetworkEvent::Reachability(reachability) => {
+                self.status.send_modify(|s| s.reachability = reachability)
+            }
             NetworkEvent::HolePunched(_) => self.status.send_modify(|s| s.hole_punches += 1),
             NetworkEvent::Control { .. } | NetworkEvent::Subscribed(_) => {}
         }

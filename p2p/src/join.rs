@@ -203,7 +203,7 @@ pub async fn run(
         peer_id: me.to_string(),
         run_id: run_id_hex.clone(),
         run_name: manifest.name.clone(),
-        reachability: Reachability::Unknown.as_str().into(),
+        reachability: Reachability::Unknown,
         ..Default::default()
     });
     let metrics = NodeMetrics::register(&mut registry);

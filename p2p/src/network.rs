@@ -35,37 +35,17 @@ pub fn unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
-/// Whether other peers can dial this node, as AutoNAT last found (a bootstrap node, the
-/// AutoNAT server, dials the addresses this node was seen at).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Reachability {
-    /// Not probed yet, or the probes disagree.
-    Unknown,
-    /// Dialled back at this address.
-    Public(Multiaddr),
-    /// Behind NAT or a firewall: peers reach it only through a relay circuit (which the node
-    /// then listens on) or after a hole punch.
-    Private,
-}
+/// AutoNAT's verdict on this node, as the status documents and round records name it
+/// (defined in `gasloc-status`, which both the network and the documents use).
+pub use gasloc_status::Reachability;
 
-impl Reachability {
-    /// `unknown`, `public` or `private` (the status document's word).
-    pub fn as_str(&self) -> &'static str {
-        match self {
-            Reachability::Unknown => "unknown",
-            Reachability::Public(_) => "public",
-            Reachability::Private => "private",
-        }
-    }
-}
-
-impl From<autonat::NatStatus> for Reachability {
-    fn from(status: autonat::NatStatus) -> Self {
-        match status {
-            autonat::NatStatus::Public(address) => Reachability::Public(address),
-            autonat::NatStatus::Private => Reachability::Private,
-            autonat::NatStatus::Unknown => Reachability::Unknown,
-        }
+/// The verdict of an AutoNAT status (the address a public node was dialled back at is
+/// logged, not kept).
+fn reachability_of(status: &autonat::NatStatus) -> Reachability {
+    match status {
+        autonat::NatStatus::Public(_) => Reachability::Public,
+        autonat::NatStatus::Private => Reachability::Private,
+        autonat::NatStatus::Unknown => Reachability::Unknown,
     }
 }
 
@@ -625,7 +605,7 @@ impl EventLoop {
                 }
             },
             GaslocBehaviourEvent::Autonat(autonat::Event::StatusChanged { new, .. }) => {
-                self.on_reachability(new.into())
+                self.on_reachability(new)
             }
             GaslocBehaviourEvent::Gossipsub(gossipsub::Event::SlowPeer {
                 peer_id,
@@ -679,17 +659,18 @@ impl EventLoop {
     /// circuit on each bootstrap node it is connected to (as `--relay` does from the start)
     /// and answers no Kademlia queries (others would put its unreachable addresses in their
     /// routing tables); found public again, it serves Kademlia again if configured to.
-    fn on_reachability(&mut self, reachability: Reachability) {
-        match &reachability {
-            Reachability::Public(address) => {
+    fn on_reachability(&mut self, status: autonat::NatStatus) {
+        match &status {
+            autonat::NatStatus::Public(address) => {
                 tracing::info!(%address, "reachability: public (AutoNAT dialled this node back)")
             }
-            Reachability::Private => {
+            autonat::NatStatus::Private => {
                 tracing::info!("reachability: private (AutoNAT could not dial this node back)")
             }
-            Reachability::Unknown => tracing::info!("reachability: unknown"),
+            autonat::NatStatus::Unknown => tracing::info!("reachability: unknown"),
         }
-        self.reachability = reachability.clone();
+        let reachability = reachability_of(&status);
+        self.reachability = reachability;
         if self.config.role == Role::Node {
             match reachability {
                 Reachability::Private => {
@@ -703,7 +684,7 @@ impl EventLoop {
                         self.listen_through_relay(relay);
                     }
                 }
-                Reachability::Public(_) if self.config.kad_server => {
+                Reachability::Public if self.config.kad_server => {
                     let kad = &mut self.swarm.behaviour_mut().kad;
                     kad.set_mode(Some(kad::Mode::Server));
                 }

@@ -209,7 +209,7 @@ pub struct RoundRecord {
     /// Peers this node had a connection to when the round ended (filled in by the driver).
     pub connected_peers: usize,
     /// AutoNAT's verdict when the round ended (filled in by the driver).
-    pub reachability: String,
+    pub reachability: gasloc_status::Reachability,
     /// Hole punches since the node started (filled in by the driver).
     pub hole_punches: u64,
 }
@@ -769,7 +769,7 @@ impl RoundMachine {
             }),
             control_messages: 0,
             connected_peers: 0,
-            reachability: String::new(),
+            reachability: Default::default(),
             hole_punches: 0,
         }
     }

@@ -13,4 +13,4 @@ pub mod snapshot;
 
 pub use metrics::{BootstrapMetrics, NodeMetrics};
 pub use server::StatusServer;
-pub use snapshot::{BootstrapStatus, NodeState, NodeStatus, RoundRecord};
+pub use snapshot::{BootstrapStatus, NodeState, NodeStatus, Reachability, RoundRecord};

@@ -3,10 +3,12 @@
 //! The node's round loop owns a [`NodeStatus`] and publishes a copy after every change
 //! through a `tokio::sync::watch` channel; the HTTP server, the metrics and the terminal
 //! client only read those copies. A bootstrap node reports the smaller [`BootstrapStatus`]
-//! the same way.
+//! the same way. [`Reachability`] is AutoNAT's verdict as both the network layer and the
+//! documents name it.
 
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
+use std::fmt;
 
 /// Rounds kept in [`NodeStatus::history`].
 pub const HISTORY_ROUNDS: usize = 200;
@@ -44,6 +46,39 @@ impl NodeState {
             NodeState::Stopping => "stopping",
             NodeState::Stopped => "stopped",
         }
+    }
+}
+
+/// Whether other peers can dial a node, as AutoNAT last found (a bootstrap node, the
+/// AutoNAT server, dials back the addresses the node was seen at). In JSON: `"unknown"`,
+/// `"public"` or `"private"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Reachability {
+    /// Not probed yet, or the probes disagree.
+    #[default]
+    Unknown,
+    /// Dialled back at an address it was seen at.
+    Public,
+    /// Behind NAT or a firewall: peers reach it only through a relay circuit (which the node
+    /// then listens on) or after a hole punch.
+    Private,
+}
+
+impl Reachability {
+    /// `unknown`, `public` or `private` (the status document's word).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reachability::Unknown => "unknown",
+            Reachability::Public => "public",
+            Reachability::Private => "private",
+        }
+    }
+}
+
+impl fmt::Display for Reachability {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -89,9 +124,9 @@ pub struct NodeStatus {
     pub wait_s: f64,
     /// Peers this node is connected to.
     pub connected_peers: usize,
-    /// Whether other peers can dial this node, as AutoNAT last found: `unknown`, `public`
-    /// or `private` (then it listens through the bootstrap nodes' relays).
-    pub reachability: String,
+    /// Whether other peers can dial this node, as AutoNAT last found (when private, it
+    /// listens through the bootstrap nodes' relays).
+    pub reachability: Reachability,
     /// Relayed connections DCUtR turned into direct ones (hole punches) since the start.
     pub hole_punches: u64,
     /// Recent rounds, oldest first, at most [`HISTORY_ROUNDS`].
@@ -164,8 +199,28 @@ mod tests {
         assert_eq!(s.bytes_sent, 10 * (HISTORY_ROUNDS as u64 + 5));
         assert!((s.idle_share() - 0.25).abs() < 1e-12);
         assert_eq!(s.train_loss, Some(3.0));
+        s.reachability = Reachability::Private;
         let json = serde_json::to_string(&s).unwrap();
+        assert!(json.contains(r#""reachability":"private""#), "{json}");
         let back: NodeStatus = serde_json::from_str(&json).unwrap();
         assert_eq!(back, s);
+    }
+
+    #[test]
+    fn reachability_is_its_lowercase_word_in_json_and_text() {
+        for (r, word) in [
+            (Reachability::Unknown, "unknown"),
+            (Reachability::Public, "public"),
+            (Reachability::Private, "private"),
+        ] {
+            assert_eq!(serde_json::to_string(&r).unwrap(), format!("\"{word}\""));
+            assert_eq!(
+                serde_json::from_str::<Reachability>(&format!("\"{word}\"")).unwrap(),
+                r
+            );
+            assert_eq!(r.to_string(), word);
+        }
+        assert!(serde_json::from_str::<Reachability>("\"Public\"").is_err());
+        assert_eq!(Reachability::default(), Reachability::Unknown);
     }
 }
