@@ -129,9 +129,7 @@ async fn main() -> Result<()> {
         .init();
     let args = Args::parse();
     let manifest = RunManifest::load(&args.run)?;
-    let run_id_hex = manifest.run_id();
-    let mut run_id = [0u8; 32];
-    hex::decode_to_slice(&run_id_hex, &mut run_id).context("run id is hex")?;
+    let run_id = manifest.run_id();
     let timing = Timing {
         genesis_ms: args
             .genesis_unix_ms
@@ -169,7 +167,7 @@ async fn main() -> Result<()> {
         .iter()
         .map(|a| format!("{a}/p2p/{me}"))
         .collect();
-    println!("run_id={run_id_hex} name={}", manifest.name);
+    println!("run_id={run_id} name={}", manifest.name);
     println!("peer_id={me}");
     for address in &full {
         println!("listening={address}");
@@ -177,7 +175,7 @@ async fn main() -> Result<()> {
     let _status_server = match args.status_addr {
         Some(addr) => {
             let (status, status_rx) = watch::channel(BootstrapStatus {
-                run_id: run_id_hex.clone(),
+                run_id: run_id.to_string(),
                 run_name: manifest.name.clone(),
                 peer_id: me.to_string(),
                 ..Default::default()

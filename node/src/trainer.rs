@@ -99,7 +99,7 @@ impl Trainer {
             stream_seed,
         )?;
         Ok(Trainer {
-            run_id: manifest.run_id(),
+            run_id: manifest.run_id().to_string(),
             manifest: manifest.clone(),
             device,
             slot,
@@ -140,7 +140,7 @@ impl Trainer {
                 dir.display()
             );
         };
-        if state.run_id != manifest.run_id() {
+        if state.run_id != manifest.run_id().to_string() {
             bail!(
                 "checkpoint {} belongs to run {}, not to this manifest's run {}",
                 dir.display(),

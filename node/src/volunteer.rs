@@ -502,7 +502,7 @@ fn newest_checkpoint(options: &VolunteerOptions) -> Result<Option<(PathBuf, Chec
     let dir = checkpoint::resolve(&options.checkpoints)?;
     let ckpt = checkpoint::load(&dir, Some(&options.manifest))?;
     let run = ckpt.state.as_ref().map(|s| s.run_id.clone());
-    if run.as_deref() != Some(options.manifest.run_id().as_str()) {
+    if run.as_deref() != Some(options.manifest.run_id().to_string().as_str()) {
         bail!(
             "{} holds a checkpoint of run {}, not of this run {}: use another --home",
             dir.display(),

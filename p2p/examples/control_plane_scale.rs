@@ -64,7 +64,7 @@ async fn main() -> Result<()> {
             Duration::from_millis(1),
         ),
         listen: "/ip4/127.0.0.1/tcp/0".parse()?,
-        run_id: [0xC0; 32],
+        run_id: gasloc_proto::RunId::from_bytes([0xC0; 32]),
     };
     let all = swarm.run().await?;
     let mut by_round: BTreeMap<u64, Vec<&RoundRecord>> = BTreeMap::new();

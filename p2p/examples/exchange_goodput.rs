@@ -16,6 +16,7 @@ use gasloc_p2p::local_swarm::local_config;
 use gasloc_p2p::network::{self, Network};
 use gasloc_p2p::tensors::TensorSet;
 use gasloc_proto::wire::PayloadKind;
+use gasloc_proto::RunId;
 use libp2p::identity::Keypair;
 use libp2p::{Multiaddr, PeerId};
 use std::sync::Arc;
@@ -23,7 +24,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-const RUN_ID: [u8; 32] = [0xBE; 32];
+const RUN_ID: RunId = RunId::from_bytes([0xBE; 32]);
 const RAW_PORT: u16 = 5201;
 const QUIC_PORT: u16 = 5202;
 const TCP_PORT: u16 = 5203;

@@ -7,6 +7,7 @@
 
 use crate::schedule::Timing;
 use gasloc_proto::wire::{control_message::Body, ControlMessage, DIGEST_LEN};
+use gasloc_proto::RunId;
 use libp2p::gossipsub::{IdentTopic, MessageAcceptance};
 use libp2p::PeerId;
 use prost::Message;
@@ -14,8 +15,8 @@ use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 /// The gossipsub topic of a run: `gasloc/run/<run id hex>`.
-pub fn run_topic(run_id_hex: &str) -> IdentTopic {
-    IdentTopic::new(format!("gasloc/run/{run_id_hex}"))
+pub fn run_topic(run_id: &RunId) -> IdentTopic {
+    IdentTopic::new(format!("gasloc/run/{run_id}"))
 }
 
 /// Why a control message was not delivered.
@@ -52,7 +53,7 @@ impl ControlReject {
 /// Validates incoming control messages of one run.
 #[derive(Debug)]
 pub struct ControlValidator {
-    run_id: [u8; DIGEST_LEN],
+    run_id: RunId,
     timing: Option<Timing>,
     max_bytes: usize,
     burst: u32,
@@ -62,7 +63,7 @@ pub struct ControlValidator {
 
 impl ControlValidator {
     pub fn new(
-        run_id: [u8; DIGEST_LEN],
+        run_id: RunId,
         timing: Option<Timing>,
         max_bytes: usize,
         burst: u32,
@@ -93,7 +94,7 @@ impl ControlValidator {
         }
         let message =
             ControlMessage::decode(data).map_err(|e| ControlReject::Undecodable(e.to_string()))?;
-        if message.run_id != self.run_id {
+        if message.run_id != self.run_id.as_bytes() {
             return Err(ControlReject::WrongRun(hex::encode(&message.run_id)));
         }
         if let Some(timing) = &self.timing {
@@ -157,7 +158,13 @@ mod tests {
             exchange_timeout_ms: 100,
             topology: Topology::OnePeer,
         };
-        let mut v = ControlValidator::new([5; 32], Some(timing), 256, 2, Duration::from_secs(60));
+        let mut v = ControlValidator::new(
+            RunId::from_bytes([5; 32]),
+            Some(timing),
+            256,
+            2,
+            Duration::from_secs(60),
+        );
         let peer = Keypair::generate_ed25519().public().to_peer_id();
         let t = Instant::now();
         let now_ms = 10_500; // round 10

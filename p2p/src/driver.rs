@@ -80,7 +80,7 @@ pub struct RoundDriver {
     pub service: ExchangeService,
     pub work: Box<dyn RoundWork>,
     pub options: DriverOptions,
-    pub run_id: [u8; 32],
+    pub run_id: gasloc_proto::RunId,
     /// The node's `/status` document, updated as the round moves on.
     pub status: watch::Sender<NodeStatus>,
     /// Cancelled to leave: the round in flight finishes its exchange (bounded by the
@@ -112,7 +112,7 @@ impl RoundDriver {
         };
         let schedule = std::mem::replace(
             &mut self.schedule,
-            RoundSchedule::new(timing.clone(), self.run_id, me),
+            RoundSchedule::new(timing.clone(), *self.run_id.as_bytes(), me),
         );
         let mut machine = RoundMachine::new(
             me,

@@ -17,6 +17,7 @@ use gasloc_proto::wire::{
     DType, Encoding, ExchangeHeader, PayloadKind, Refusal, RefusalReason, StateRequest,
     TensorEntry, DIGEST_LEN,
 };
+use gasloc_proto::RunId;
 use libp2p::PeerId;
 use prost::Message;
 use std::sync::Arc;
@@ -182,7 +183,7 @@ impl OutgoingPayload {
     }
 
     /// The header this payload is sent with.
-    pub fn header(&self, run_id: &[u8; DIGEST_LEN], round: u64, sender: &PeerId) -> ExchangeHeader {
+    pub fn header(&self, run_id: &RunId, round: u64, sender: &PeerId) -> ExchangeHeader {
         ExchangeHeader {
             run_id: run_id.to_vec(),
             round,
@@ -229,7 +230,7 @@ pub async fn send_payload<W: AsyncWrite + Unpin>(
 /// What a receiver checks a header against.
 #[derive(Debug, Clone)]
 pub struct Expectation {
-    pub run_id: [u8; DIGEST_LEN],
+    pub run_id: RunId,
     /// `Some(r)`: only round `r`; `None`: any round (state sync).
     pub round: Option<u64>,
     /// The authenticated remote peer.
@@ -245,7 +246,7 @@ pub fn check_header(
     e: &Expectation,
     limits: &ExchangeLimits,
 ) -> Result<(), ExchangeError> {
-    if h.run_id != e.run_id {
+    if h.run_id != e.run_id.as_bytes() {
         return Err(ExchangeError::WrongRun {
             got: hex::encode(&h.run_id),
         });
@@ -630,7 +631,7 @@ pub async fn run_responder<S: AsyncRead + AsyncWrite + Unpin>(
 /// Encodes a state-sync request frame.
 pub async fn write_state_request<W: AsyncWrite + Unpin>(
     w: &mut W,
-    run_id: &[u8; DIGEST_LEN],
+    run_id: &RunId,
 ) -> std::io::Result<()> {
     let request = StateRequest {
         run_id: run_id.to_vec(),

@@ -15,7 +15,8 @@ use crate::exchange::{
 };
 use crate::tensors::{TensorSet, TensorSpec};
 use futures::{AsyncWriteExt, StreamExt};
-use gasloc_proto::wire::{PayloadKind, Refusal, RefusalReason, DIGEST_LEN};
+use gasloc_proto::wire::{PayloadKind, Refusal, RefusalReason};
+use gasloc_proto::RunId;
 use libp2p::{PeerId, Stream, StreamProtocol};
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -29,7 +30,7 @@ pub const STATE_PROTOCOL: StreamProtocol = StreamProtocol::new("/gasloc/state/1"
 /// Settings of the exchange service.
 #[derive(Debug, Clone)]
 pub struct ExchangeConfig {
-    pub run_id: [u8; DIGEST_LEN],
+    pub run_id: RunId,
     pub limits: ExchangeLimits,
     /// Inbound streams handled at once; more are dropped.
     pub max_inbound: usize,
@@ -40,7 +41,7 @@ pub struct ExchangeConfig {
 }
 
 impl ExchangeConfig {
-    pub fn new(run_id: [u8; DIGEST_LEN]) -> Self {
+    pub fn new(run_id: RunId) -> Self {
         ExchangeConfig {
             run_id,
             limits: ExchangeLimits::default(),
@@ -461,7 +462,7 @@ async fn handle_exchange(inner: &Inner, peer: PeerId, mut stream: Stream) -> Inb
         Err(e) => return refuse_and_report(stream, report, e).await,
     };
     report.round = Some(header.round);
-    if header.run_id != cfg.run_id {
+    if header.run_id != cfg.run_id.as_bytes() {
         let e = ExchangeError::WrongRun {
             got: hex::encode(&header.run_id),
         };
@@ -524,7 +525,7 @@ async fn handle_state_request(inner: &Inner, peer: PeerId, mut stream: Stream) -
     };
     let first = read_first_frame_in_time(&mut stream, cfg).await;
     match first {
-        Ok(FirstFrame::StateRequest(request)) if request.run_id == cfg.run_id => {}
+        Ok(FirstFrame::StateRequest(request)) if request.run_id == cfg.run_id.as_bytes() => {}
         Ok(FirstFrame::StateRequest(request)) => {
             let e = ExchangeError::WrongRun {
                 got: hex::encode(request.run_id),

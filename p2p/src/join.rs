@@ -16,7 +16,7 @@ use crate::synthetic::SyntheticTrainer;
 use crate::upload_limit::{parse_rate, UploadLimiter};
 use crate::work::RoundWork;
 use anyhow::{anyhow, bail, Context};
-use gasloc_proto::RunManifest;
+use gasloc_proto::{RunId, RunManifest};
 use gasloc_status::{NodeMetrics, NodeStatus, StatusServer};
 use libp2p::{Multiaddr, PeerId};
 use std::io::Write;
@@ -38,9 +38,9 @@ pub struct JoinArgs {
     /// The node's identity key file (created with mode 0600 if missing); a fresh key when absent.
     #[arg(long)]
     pub identity: Option<PathBuf>,
-    /// The run id this node expects the bootstrap node to serve (hex).
+    /// The run id this node expects the bootstrap node to serve (64 hex digits).
     #[arg(long)]
-    pub run_id: Option<String>,
+    pub run_id: Option<RunId>,
     /// Serve /status (JSON), /metrics (Prometheus) and the dashboard on this address
     /// (port 0 picks one; the address is printed as status=http://…).
     #[arg(long)]
@@ -192,16 +192,13 @@ pub async fn run(
         println!("listening={address}/p2p/{me}");
     }
 
-    let (manifest, timing) =
-        fetch_manifest(&client, &bootstrap_peers, args.run_id.as_deref()).await?;
-    let run_id_hex = manifest.run_id();
-    let mut run_id = [0u8; 32];
-    hex::decode_to_slice(&run_id_hex, &mut run_id).context("run id is hex")?;
-    println!("run_id={run_id_hex} name={}", manifest.name);
+    let (manifest, timing) = fetch_manifest(&client, &bootstrap_peers, args.run_id).await?;
+    let run_id = manifest.run_id();
+    println!("run_id={run_id} name={}", manifest.name);
 
     let (status, status_rx) = tokio::sync::watch::channel(NodeStatus {
         peer_id: me.to_string(),
-        run_id: run_id_hex.clone(),
+        run_id: run_id.to_string(),
         run_name: manifest.name.clone(),
         reachability: Reachability::Unknown,
         ..Default::default()
@@ -247,7 +244,7 @@ pub async fn run(
     let driver = RoundDriver {
         client: client.clone(),
         events: network.events,
-        schedule: RoundSchedule::new(timing, run_id, me),
+        schedule: RoundSchedule::new(timing, *run_id.as_bytes(), me),
         service,
         work,
         options: DriverOptions {
@@ -344,7 +341,7 @@ fn spawn_signal_handler(stop: CancellationToken) {
 async fn fetch_manifest(
     client: &network::Client,
     bootstrap_peers: &[PeerId],
-    expected_run_id: Option<&str>,
+    expected_run_id: Option<RunId>,
 ) -> anyhow::Result<(gasloc_proto::RunManifest, Timing)> {
     let mut last_error = String::from("no bootstrap node");
     for attempt in 0..20 {
@@ -440,4 +437,39 @@ pub fn run_blocking(
         .build()
         .context("cannot start the tokio runtime")?
         .block_on(run(args, make_work))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        join: JoinArgs,
+    }
+
+    fn parse(run_id: &str) -> Result<Cli, clap::Error> {
+        let bootstrap = format!("/ip4/127.0.0.1/tcp/4001/p2p/{}", PeerId::random());
+        Cli::try_parse_from(["join", "--bootstrap", &bootstrap, "--run-id", run_id])
+    }
+
+    #[test]
+    fn run_id_flag_is_parsed_and_bad_hex_is_refused_with_the_reason() {
+        let hex = "36a72869b82fa885360939af62fc87af79302d9c0c44790709fe9d1ce85ac860";
+        let cli = parse(hex).unwrap();
+        assert_eq!(cli.join.run_id.map(|r| r.to_string()), Some(hex.into()));
+        let err = parse("36a7")
+            .err()
+            .expect("a short run id is refused")
+            .to_string();
+        assert!(err.contains("--run-id"), "{err}");
+        assert!(err.contains("64 hex digits, got 4 characters"), "{err}");
+        let err = parse(&hex.replace('a', "g"))
+            .err()
+            .expect("a run id that is not hex is refused")
+            .to_string();
+        assert!(err.contains("'g' at position 2 is not one"), "{err}");
+    }
 }

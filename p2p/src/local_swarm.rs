@@ -12,6 +12,7 @@ use crate::network::{self, unix_ms};
 use crate::schedule::{RoundSchedule, Timing};
 use crate::synthetic::SyntheticTrainer;
 use anyhow::{bail, Context};
+use gasloc_proto::RunId;
 use libp2p::identity::Keypair;
 use libp2p::Multiaddr;
 use std::time::Duration;
@@ -30,7 +31,7 @@ pub struct LocalSwarm {
     pub trainer: SyntheticTrainer,
     /// `/ip4/127.0.0.1/tcp/0` or `/ip4/127.0.0.1/udp/0/quic-v1`.
     pub listen: Multiaddr,
-    pub run_id: [u8; 32],
+    pub run_id: RunId,
 }
 
 /// The network settings of one local node.
@@ -99,7 +100,7 @@ impl LocalSwarm {
                 service,
                 client: network.client.clone(),
                 events: network.events,
-                schedule: RoundSchedule::new(timing.clone(), self.run_id, me),
+                schedule: RoundSchedule::new(timing.clone(), *self.run_id.as_bytes(), me),
                 work: Box::new(SyntheticTrainer {
                     peer: me,
                     ..self.trainer.clone()

@@ -6,7 +6,7 @@
 
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use gasloc_proto::wire::{ManifestRequest, ManifestResponse};
-use gasloc_proto::RunManifest;
+use gasloc_proto::{RunId, RunManifest};
 use libp2p::StreamProtocol;
 use prost::Message;
 use std::io;
@@ -88,7 +88,7 @@ impl libp2p::request_response::Codec for ManifestCodec {
 /// given, the one the caller expects).
 pub fn verify_manifest_response(
     response: &ManifestResponse,
-    expected_run_id: Option<&str>,
+    expected_run_id: Option<RunId>,
 ) -> Result<RunManifest, String> {
     if !response.error.is_empty() {
         return Err(format!("manifest request refused: {}", response.error));
@@ -96,7 +96,7 @@ pub fn verify_manifest_response(
     let manifest = RunManifest::parse(&response.manifest_toml, "served manifest")
         .map_err(|e| e.to_string())?;
     let run_id = manifest.run_id();
-    if hex::encode(&response.run_id) != run_id {
+    if response.run_id != run_id.as_bytes() {
         return Err(format!(
             "served manifest hashes to run {run_id}, but the response announces {}",
             hex::encode(&response.run_id)

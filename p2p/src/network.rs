@@ -13,7 +13,8 @@ use crate::schedule::Timing;
 use crate::swarm::{build_swarm, GaslocBehaviour, GaslocBehaviourEvent};
 use anyhow::{anyhow, Context};
 use futures::StreamExt;
-use gasloc_proto::wire::{ControlMessage, ManifestRequest, ManifestResponse, DIGEST_LEN};
+use gasloc_proto::wire::{ControlMessage, ManifestRequest, ManifestResponse};
+use gasloc_proto::RunId;
 use libp2p::core::ConnectedPoint;
 use libp2p::gossipsub::{self, IdentTopic};
 use libp2p::identity::Keypair;
@@ -102,7 +103,7 @@ pub enum NetworkEvent {
 #[derive(Debug)]
 pub enum Command {
     JoinRun {
-        run_id: [u8; DIGEST_LEN],
+        run_id: RunId,
         timing: Option<Timing>,
         reply: oneshot::Sender<Result<(), ClientError>>,
     },
@@ -170,11 +171,7 @@ impl Client {
 
     /// Subscribes to the run's topic and validates its messages against `run_id` (and the
     /// round window of `timing`, when given).
-    pub async fn join_run(
-        &self,
-        run_id: [u8; DIGEST_LEN],
-        timing: Option<Timing>,
-    ) -> Result<(), ClientError> {
+    pub async fn join_run(&self, run_id: RunId, timing: Option<Timing>) -> Result<(), ClientError> {
         self.ask(|reply| Command::JoinRun {
             run_id,
             timing,
@@ -396,7 +393,7 @@ impl EventLoop {
                 timing,
                 reply,
             } => {
-                let topic = run_topic(&hex::encode(run_id));
+                let topic = run_topic(&run_id);
                 let result = self
                     .swarm
                     .behaviour_mut()

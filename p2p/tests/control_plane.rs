@@ -9,7 +9,7 @@ use gasloc_proto::wire::{control_message::Body, Commit, ControlMessage, Reveal};
 use libp2p::identity::Keypair;
 use std::time::Duration;
 
-fn commit(run_id: [u8; 32], round: u64, byte: u8) -> ControlMessage {
+fn commit(run_id: RunId, round: u64, byte: u8) -> ControlMessage {
     ControlMessage {
         run_id: run_id.to_vec(),
         round,
@@ -58,7 +58,7 @@ async fn only_valid_messages_of_the_run_are_delivered_with_their_author() {
     // Another run's message, a malformed nonce: published, but the receiver drops them.
     sender
         .client
-        .publish(commit([0x99; 32], 0, 1))
+        .publish(commit(RunId::from_bytes([0x99; 32]), 0, 1))
         .await
         .unwrap();
     let short = ControlMessage {

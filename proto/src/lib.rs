@@ -1,6 +1,7 @@
 //! gasloc's wire format and run manifest, shared by `gasloc-node` and `gasloc-bootstrap`.
 //!
-//! * [`manifest`]: the run manifest and its run id;
+//! * [`manifest`]: the run manifest;
+//! * [`run_id`]: the run id ([`RunId`]: 32 bytes, 64 hex digits to people);
 //! * [`topology`]: round permutations, communication graphs and mixing weights;
 //! * [`pace`]: the adaptive H_i rule and the moving averages it rests on.
 //!
@@ -9,7 +10,9 @@
 
 pub mod manifest;
 pub mod pace;
+pub mod run_id;
 pub mod topology;
 pub mod wire;
 
 pub use manifest::{RunManifest, Tokenizer};
+pub use run_id::{RunId, RunIdError};

@@ -6,6 +6,7 @@
 //! SHA-256 of the resolved manifest's canonical bytes ([`RunManifest::canonical_bytes`]),
 //! so comments, key order and spelled-out defaults do not change it.
 
+use crate::run_id::RunId;
 use crate::topology::Topology;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -507,9 +508,10 @@ impl RunManifest {
             .into_bytes()
     }
 
-    /// The run id: lowercase hex SHA-256 of [`Self::canonical_bytes`].
-    pub fn run_id(&self) -> String {
-        hex::encode(Sha256::digest(self.canonical_bytes()))
+    /// The run id: the SHA-256 of [`Self::canonical_bytes`] (shown as 64 lowercase hex
+    /// digits).
+    pub fn run_id(&self) -> RunId {
+        RunId::from_bytes(Sha256::digest(self.canonical_bytes()).into())
     }
 
     fn validate(&self) -> Result<(), (&'static str, String)> {
@@ -783,7 +785,7 @@ decay_steps = 100
         assert_eq!(a.run_id(), b.run_id());
         let c = RunManifest::parse(&TINY.replace("seed = 1", "seed = 2"), "c").unwrap();
         assert_ne!(a.run_id(), c.run_id());
-        assert_eq!(a.run_id().len(), 64);
+        assert_eq!(a.run_id().to_string().len(), 64);
     }
 
     #[test]

@@ -66,7 +66,10 @@ fn value<'a>(lines: &'a [String], key: &str) -> Vec<&'a str> {
 fn bootstrap_prints_full_addresses_keeps_its_identity_and_serves_status() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("run.toml"), MANIFEST).unwrap();
-    let run_id = RunManifest::parse(MANIFEST, "t").unwrap().run_id();
+    let run_id = RunManifest::parse(MANIFEST, "t")
+        .unwrap()
+        .run_id()
+        .to_string();
 
     let (first, lines) = start(dir.path());
     assert_eq!(

@@ -4,11 +4,12 @@
 use gasloc_p2p::exchange_service::{ExchangeConfig, ExchangeService};
 use gasloc_p2p::local_swarm::local_config;
 use gasloc_p2p::network::{self, Network};
+pub use gasloc_proto::RunId;
 use libp2p::identity::Keypair;
 use libp2p::{Multiaddr, PeerId};
 use std::time::Duration;
 
-pub const RUN_ID: [u8; 32] = [0x42; 32];
+pub const RUN_ID: RunId = RunId::from_bytes([0x42; 32]);
 
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
