@@ -362,7 +362,8 @@ async fn fetch_manifest(
                 }
                 // Asking again would not help.
                 Err(e @ ClientError::NetworkStopped) => return Err(e.into()),
-                Err(e) => last_error = format!("bootstrap {peer}: {e}"),
+                // The error names the peer.
+                Err(e) => last_error = e.to_string(),
             }
         }
         tracing::debug!(attempt, %last_error, "manifest request failed; retrying");
