@@ -44,7 +44,7 @@ enum Command {
     #[command(subcommand)]
     Data(DataCommand),
     /// Join a run's swarm through its bootstrap nodes and train with it.
-    Join(JoinCommand),
+    Join(Box<JoinCommand>),
     /// Print a running node's status (its --status-addr) in the terminal.
     Status(StatusArgs),
 }
@@ -223,7 +223,7 @@ fn main() {
         Command::Eval(args) => eval(args),
         Command::Sim(args) => sim(args),
         Command::Data(DataCommand::Prepare(args)) => data_prepare(args),
-        Command::Join(args) => join(args),
+        Command::Join(args) => join(*args),
         Command::Status(args) => gasloc_status::client::fetch_status(&args.addr)
             .map(|s| print!("{}", gasloc_status::client::format_status(&s))),
     };
