@@ -146,22 +146,56 @@ impl Default for SendOptions {
     }
 }
 
-/// A payload ready to send to any number of peers: tensors plus their table and checksums,
-/// computed once.
+/// A payload ready to send to any number of peers: tensors plus their table, every chunk's
+/// encoding and every checksum, computed once — by [`OutgoingPayload::new`], which hashes and
+/// compresses every byte and so belongs on a blocking thread, never on the async runtime.
+/// Sending it then only writes.
 #[derive(Debug)]
 pub struct OutgoingPayload {
     pub kind: PayloadKind,
     pub set: Arc<TensorSet>,
     entries: Vec<TensorEntry>,
+    /// Per tensor, per chunk of `options.chunk_size` bytes: what goes on the wire.
+    chunks: Vec<Vec<EncodedChunk>>,
     options: SendOptions,
 }
 
+/// One chunk as sent: its checksum, and its zstd frame when the payload is compressed (a raw
+/// chunk is sent straight from the tensor).
+#[derive(Debug)]
+struct EncodedChunk {
+    checksum: [u8; DIGEST_LEN],
+    zstd: Option<Vec<u8>>,
+}
+
 impl OutgoingPayload {
+    /// Encodes and hashes `set` (heavy: call it off the async runtime). A chunk that zstd
+    /// cannot compress is a bug of the zstd library and panics with its message.
     pub fn new(kind: PayloadKind, set: Arc<TensorSet>, options: SendOptions) -> Self {
         let encoding = match options.zstd_level {
             Some(_) => Encoding::Zstd,
             None => Encoding::Raw,
         };
+        let chunk_size = options.chunk_size.max(1) as usize;
+        let chunks = set
+            .tensors
+            .iter()
+            .map(|t| {
+                t.data
+                    .chunks(chunk_size)
+                    .map(|chunk| {
+                        let zstd = options.zstd_level.map(|level| {
+                            zstd::bulk::compress(chunk, level).expect("zstd compresses any bytes")
+                        });
+                        let on_wire = zstd.as_deref().unwrap_or(chunk);
+                        EncodedChunk {
+                            checksum: *blake3::hash(on_wire).as_bytes(),
+                            zstd,
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
         let entries = set
             .tensors
             .iter()
@@ -178,6 +212,7 @@ impl OutgoingPayload {
             kind,
             set,
             entries,
+            chunks,
             options,
         }
     }
@@ -195,28 +230,30 @@ impl OutgoingPayload {
     }
 }
 
-/// Writes `header` and then every chunk of `payload`; returns the bytes written.
+/// Writes `header` (the payload's own, [`OutgoingPayload::header`]) and then every chunk of
+/// `payload`, encoded and hashed already; returns the bytes written.
 pub async fn send_payload<W: AsyncWrite + Unpin>(
     w: &mut W,
     header: &ExchangeHeader,
     payload: &OutgoingPayload,
 ) -> Result<u64, ExchangeError> {
+    if header.chunk_size != payload.options.chunk_size {
+        return Err(ExchangeError::Malformed {
+            what: "header",
+            detail: format!(
+                "chunk size {} is not the payload's {}",
+                header.chunk_size, payload.options.chunk_size
+            ),
+        });
+    }
     let header_bytes = header.encode_to_vec();
     write_frame(w, FRAME_HEADER, &[&header_bytes]).await?;
     let mut written = 5 + header_bytes.len() as u64;
-    let chunk_size = header.chunk_size.max(1) as usize;
-    for tensor in &payload.set.tensors {
-        for chunk in tensor.data.chunks(chunk_size) {
-            let encoded;
-            let bytes: &[u8] = match payload.options.zstd_level {
-                Some(level) => {
-                    encoded = zstd::bulk::compress(chunk, level)?;
-                    &encoded
-                }
-                None => chunk,
-            };
-            let checksum = blake3::hash(bytes);
-            write_frame(w, FRAME_CHUNK, &[checksum.as_bytes(), bytes]).await?;
+    let chunk_size = payload.options.chunk_size.max(1) as usize;
+    for (tensor, encoded) in payload.set.tensors.iter().zip(&payload.chunks) {
+        for (chunk, encoded) in tensor.data.chunks(chunk_size).zip(encoded) {
+            let bytes = encoded.zstd.as_deref().unwrap_or(chunk);
+            write_frame(w, FRAME_CHUNK, &[&encoded.checksum, bytes]).await?;
             written += 5 + DIGEST_LEN as u64 + bytes.len() as u64;
             if let Some(limit) = &payload.options.upload_limit {
                 limit.pace(5 + DIGEST_LEN + bytes.len()).await;
@@ -418,19 +455,55 @@ pub async fn receive_tensors<R: AsyncRead + Unpin>(
     Ok(tensors)
 }
 
+/// Chunks read but not yet verified, at most (the reader waits for the verifier beyond).
+const VERIFY_QUEUE: usize = 4;
+
+/// A chunk as read off the stream, for the verifier.
+struct ReadChunk {
+    checksum: [u8; DIGEST_LEN],
+    body: Vec<u8>,
+    /// The raw bytes it must decode to.
+    raw_len: usize,
+}
+
 /// Reads every chunk announced by a checked header, verifies it and assembles the tensors.
+///
+/// The async side only reads: each chunk, bounded before allocation, goes to a verifier on a
+/// blocking thread (`VERIFY_QUEUE` chunks ahead at most) that checks its checksum,
+/// decompresses it, appends it and hashes the whole tensor as it grows — so BLAKE3 and zstd
+/// never run on the runtime's threads, and reading the next chunk overlaps verifying this one.
 async fn read_tensors<R: AsyncRead + Unpin>(
     r: &mut R,
     header: &ExchangeHeader,
 ) -> Result<TensorSet, ExchangeError> {
+    let (chunks, inbox) = tokio::sync::mpsc::channel(VERIFY_QUEUE);
+    let entries = header.tensors.clone();
+    let verifier = tokio::task::spawn_blocking(move || verify_chunks(&entries, inbox));
+    let read = read_chunks(r, header, chunks).await;
+    let verified = verifier
+        .await
+        .map_err(|e| ExchangeError::Cancelled(format!("the chunk verifier ended: {e}")))?;
+    // A bad chunk stops the reader by closing the queue: the verifier's error is the
+    // result; a reader that failed ends the verifier early: the reader's error is.
+    match (verified, read) {
+        (Ok(tensors), Ok(())) => Ok(TensorSet::new(tensors)),
+        (Err(Some(e)), _) | (_, Err(e)) => Err(e),
+        (Err(None), Ok(())) => Err(ExchangeError::Truncated("chunk")),
+    }
+}
+
+/// The reading half of [`read_tensors`]: frames off the stream, in header order.
+async fn read_chunks<R: AsyncRead + Unpin>(
+    r: &mut R,
+    header: &ExchangeHeader,
+    chunks: tokio::sync::mpsc::Sender<ReadChunk>,
+) -> Result<(), ExchangeError> {
     let chunk_size = u64::from(header.chunk_size);
-    let mut tensors = Vec::with_capacity(header.tensors.len());
     for entry in &header.tensors {
         let zstd = entry.encoding == Encoding::Zstd as i32;
-        let mut data = Vec::with_capacity(entry.byte_length as usize);
-        let mut chunk_index = 0u64;
-        while (data.len() as u64) < entry.byte_length {
-            let raw_len = chunk_size.min(entry.byte_length - data.len() as u64) as usize;
+        let mut read = 0u64;
+        while read < entry.byte_length {
+            let raw_len = chunk_size.min(entry.byte_length - read) as usize;
             let max_body = DIGEST_LEN as u64 + encoded_bound(raw_len, zstd);
             let (kind, len) = read_frame_prefix(r, |_| max_body)
                 .await
@@ -444,63 +517,90 @@ async fn read_tensors<R: AsyncRead + Unpin>(
                     detail: format!("{len} bytes is shorter than its checksum"),
                 });
             }
+            let body_len = len as usize - DIGEST_LEN;
+            if !zstd && body_len != raw_len {
+                return Err(ExchangeError::Malformed {
+                    what: "chunk",
+                    detail: format!(
+                        "tensor {} chunk {}: {body_len} bytes, expected {raw_len}",
+                        entry.name,
+                        read / chunk_size
+                    ),
+                });
+            }
             let mut checksum = [0u8; DIGEST_LEN];
             r.read_exact(&mut checksum)
                 .await
                 .map_err(|_| ExchangeError::Truncated("chunk"))?;
-            let body_len = len as usize - DIGEST_LEN;
-            let chunk_problem = || ExchangeError::ChunkChecksum {
-                tensor: entry.name.clone(),
-                chunk: chunk_index,
+            let mut body = vec![0u8; body_len];
+            r.read_exact(&mut body)
+                .await
+                .map_err(|_| ExchangeError::Truncated("chunk"))?;
+            let chunk = ReadChunk {
+                checksum,
+                body,
+                raw_len,
             };
+            if chunks.send(chunk).await.is_err() {
+                return Ok(()); // the verifier stopped at a bad chunk: its error is the result
+            }
+            read += raw_len as u64;
+        }
+    }
+    Ok(())
+}
+
+/// The verifying half of [`read_tensors`], on a blocking thread: the chunks of `entries`, in
+/// order, each checked against its checksum (and decompressed), each tensor against its own.
+/// `Err(None)`: the reader stopped before the last chunk (its own error says why).
+fn verify_chunks(
+    entries: &[TensorEntry],
+    mut inbox: tokio::sync::mpsc::Receiver<ReadChunk>,
+) -> Result<Vec<Tensor>, Option<ExchangeError>> {
+    let mut tensors = Vec::with_capacity(entries.len());
+    for entry in entries {
+        let zstd = entry.encoding == Encoding::Zstd as i32;
+        let mut data = Vec::with_capacity(entry.byte_length as usize);
+        let mut whole = blake3::Hasher::new();
+        let mut chunk_index = 0u64;
+        while (data.len() as u64) < entry.byte_length {
+            let Some(chunk) = inbox.blocking_recv() else {
+                return Err(None);
+            };
+            if blake3::hash(&chunk.body).as_bytes() != &chunk.checksum {
+                return Err(Some(ExchangeError::ChunkChecksum {
+                    tensor: entry.name.clone(),
+                    chunk: chunk_index,
+                }));
+            }
+            let start = data.len();
             if zstd {
-                let mut encoded = vec![0u8; body_len];
-                r.read_exact(&mut encoded)
-                    .await
-                    .map_err(|_| ExchangeError::Truncated("chunk"))?;
-                if blake3::hash(&encoded).as_bytes() != &checksum {
-                    return Err(chunk_problem());
-                }
-                let decoded = zstd::bulk::decompress(&encoded, raw_len).map_err(|e| {
-                    ExchangeError::Malformed {
+                let decoded = zstd::bulk::decompress(&chunk.body, chunk.raw_len).map_err(|e| {
+                    Some(ExchangeError::Malformed {
                         what: "zstd chunk",
                         detail: format!("tensor {} chunk {chunk_index}: {e}", entry.name),
-                    }
+                    })
                 })?;
-                if decoded.len() != raw_len {
-                    return Err(ExchangeError::Malformed {
+                if decoded.len() != chunk.raw_len {
+                    return Err(Some(ExchangeError::Malformed {
                         what: "zstd chunk",
                         detail: format!(
-                            "tensor {} chunk {chunk_index}: {} bytes, expected {raw_len}",
+                            "tensor {} chunk {chunk_index}: {} bytes, expected {}",
                             entry.name,
-                            decoded.len()
+                            decoded.len(),
+                            chunk.raw_len
                         ),
-                    });
+                    }));
                 }
                 data.extend_from_slice(&decoded);
             } else {
-                if body_len != raw_len {
-                    return Err(ExchangeError::Malformed {
-                        what: "chunk",
-                        detail: format!(
-                            "tensor {} chunk {chunk_index}: {body_len} bytes, expected {raw_len}",
-                            entry.name
-                        ),
-                    });
-                }
-                let start = data.len();
-                data.resize(start + body_len, 0);
-                r.read_exact(&mut data[start..])
-                    .await
-                    .map_err(|_| ExchangeError::Truncated("chunk"))?;
-                if blake3::hash(&data[start..]).as_bytes() != &checksum {
-                    return Err(chunk_problem());
-                }
+                data.extend_from_slice(&chunk.body);
             }
+            whole.update(&data[start..]);
             chunk_index += 1;
         }
-        if blake3::hash(&data).as_bytes().as_slice() != entry.checksum.as_slice() {
-            return Err(ExchangeError::TensorChecksum(entry.name.clone()));
+        if whole.finalize().as_bytes().as_slice() != entry.checksum.as_slice() {
+            return Err(Some(ExchangeError::TensorChecksum(entry.name.clone())));
         }
         let dtype = DType::try_from(entry.dtype).unwrap_or(DType::Unspecified);
         tensors.push(Tensor {
@@ -510,7 +610,7 @@ async fn read_tensors<R: AsyncRead + Unpin>(
             data,
         });
     }
-    Ok(TensorSet::new(tensors))
+    Ok(tensors)
 }
 
 /// The end of an exchange, once both payloads went through: tells the peer that its payload
