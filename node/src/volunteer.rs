@@ -19,7 +19,8 @@
 //!    evaluated and, every K rounds, saved.
 //!
 //! The state served to late joiners is the anchor and the outer momentum, named
-//! `anchor.<param>` and `outer_momentum.<param>` (fp32). A checkpoint is the anchor as an HF
+//! `anchor.<param>` and `outer_momentum.<param>` (fp32), made by the outer step of a round
+//! in which a joiner asked for it (`Received::want_state`), not every round. A checkpoint is the anchor as an HF
 //! model plus the AdamW moments, the data cursor, the outer momentum and the next round.
 
 use crate::algo::outer::{mixed_pseudo_gradient, OuterOptimizer};
@@ -407,7 +408,10 @@ impl RoundTrainer {
             self.save()?;
         }
         Ok(Finished {
-            state: self.state()?,
+            state: match received.want_state {
+                true => Some(self.state()?),
+                false => None,
+            },
             val_loss,
         })
     }

@@ -18,7 +18,9 @@ pub use crate::round_machine::RoundRecord;
 use crate::round_machine::{Input, MachineConfig, Outcome, Output, RoundMachine, StatusChange};
 use crate::schedule::RoundSchedule;
 use crate::tensors::TensorSet;
-use crate::work::{Arrived, Received, RoundWork, TrainDeadline, TrainOrder, WorkFuture};
+use crate::work::{
+    Arrived, Finished, Received, RoundWork, TrainDeadline, TrainOrder, Trained, WorkFuture,
+};
 use gasloc_proto::wire::{control_message::Body, ControlMessage, PayloadKind};
 use gasloc_status::{NodeState, NodeStatus};
 use rand::rngs::StdRng;
@@ -53,22 +55,24 @@ async fn work_opt<T>(future: &mut Option<WorkFuture<T>>) -> anyhow::Result<T> {
     }
 }
 
-/// The work's future with its tensors made ready to send (`take` moves them out of the
-/// output). A payload's checksums take a while for a large model (blake3 over every
+/// The work's future with its tensors, if any, made ready to send (`take` moves them out of
+/// the output). A payload's checksums take a while for a large model (blake3 over every
 /// byte), so they are computed on a blocking thread, not on the runtime's workers.
 fn ready_to_send<T: Send + 'static>(
     work: WorkFuture<T>,
     kind: PayloadKind,
     options: SendOptions,
-    take: fn(&mut T) -> TensorSet,
-) -> WorkFuture<(Arc<OutgoingPayload>, T)> {
+    take: fn(&mut T) -> Option<TensorSet>,
+) -> WorkFuture<(Option<Arc<OutgoingPayload>>, T)> {
     Box::pin(async move {
         let mut output = work.await?;
-        let set = take(&mut output);
+        let Some(set) = take(&mut output) else {
+            return Ok((None, output));
+        };
         let payload =
             tokio::task::spawn_blocking(move || OutgoingPayload::new(kind, Arc::new(set), options))
                 .await?;
-        Ok((Arc::new(payload), output))
+        Ok((Some(Arc::new(payload)), output))
     })
 }
 
@@ -125,9 +129,9 @@ impl RoundDriver {
         let mut deadline = TrainDeadline::default();
         let mut payload: Option<Arc<OutgoingPayload>> = None;
         let mut arrived: ExchangeResults = Vec::new();
-        let mut training: Option<WorkFuture<(Arc<OutgoingPayload>, crate::work::Trained)>> = None;
+        let mut training: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Trained)>> = None;
         let mut exchange: Option<JoinHandle<(u64, ExchangeResults)>> = None;
-        let mut finishing: Option<WorkFuture<(Arc<OutgoingPayload>, crate::work::Finished)>> = None;
+        let mut finishing: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Finished)>> = None;
         let (mut training_round, mut finishing_round) = (0, 0);
         let mut records = Vec::new();
         let mut stopping = false;
@@ -149,7 +153,7 @@ impl RoundDriver {
                             }),
                             PayloadKind::Model,
                             self.options.send.clone(),
-                            |t| std::mem::take(&mut t.payload),
+                            |t| Some(std::mem::take(&mut t.payload)),
                         ));
                     }
                     Output::MoveDeadline { deadline_ms, .. } => deadline.set(deadline_ms),
@@ -187,15 +191,18 @@ impl RoundDriver {
                         arrived.clear();
                         payload = None;
                         finishing_round = round;
+                        // The late-joiner state is made only when someone asked for it.
+                        let want_state = self.service.take_state_wanted();
                         finishing = Some(ready_to_send(
                             self.work.finish(Received {
                                 round,
                                 mixing,
                                 payloads,
+                                want_state,
                             }),
                             PayloadKind::State,
                             self.options.send.clone(),
-                            |f| std::mem::take(&mut f.state),
+                            |f| f.state.take(),
                         ));
                     }
                     Output::Record(mut record) => {
@@ -242,7 +249,7 @@ impl RoundDriver {
                     training = None;
                     match done {
                         Ok((ready, trained)) => {
-                            payload = Some(ready);
+                            payload = ready;
                             Input::Trained {
                                 round: training_round,
                                 inner_steps: trained.inner_steps,
@@ -267,7 +274,9 @@ impl RoundDriver {
                     finishing = None;
                     match done {
                         Ok((state, finished)) => {
-                            self.service.set_state(finishing_round + 1, state);
+                            if let Some(state) = state {
+                                self.service.set_state(finishing_round + 1, state);
+                            }
                             Input::Finished { round: finishing_round, val_loss: finished.val_loss }
                         }
                         Err(e) => {

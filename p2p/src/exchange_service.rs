@@ -95,6 +95,8 @@ struct ServiceState {
     positioned: bool,
     rounds: HashMap<u64, RoundSlot>,
     state: Option<(u64, Arc<OutgoingPayload>)>,
+    /// A state request found no fresh state: the next outer step should make one.
+    state_wanted: bool,
 }
 
 struct Inner {
@@ -181,9 +183,27 @@ impl ExchangeService {
             .contains_key(&round)
     }
 
-    /// Publishes this node's current state (anchor + outer momentum) for state sync.
+    /// Publishes this node's current state (anchor + outer momentum) for state sync: the
+    /// state `round` begins from. Requests waiting for a fresh state get it.
     pub fn set_state(&self, round: u64, payload: Arc<OutgoingPayload>) {
-        self.inner.state.lock().expect("exchange state lock").state = Some((round, payload));
+        let mut st = self.inner.state.lock().expect("exchange state lock");
+        st.state = Some((round, payload));
+        st.state_wanted = false;
+        drop(st);
+        self.inner.changed.notify_waiters();
+    }
+
+    /// Whether a state request arrived that no fresh state could answer (and forgets it):
+    /// the state is made on request, by the next outer step, not every round.
+    pub fn take_state_wanted(&self) -> bool {
+        std::mem::take(
+            &mut self
+                .inner
+                .state
+                .lock()
+                .expect("exchange state lock")
+                .state_wanted,
+        )
     }
 
     /// Swaps `payload` with every neighbour of `round`. Each result is the neighbour's
@@ -515,6 +535,37 @@ async fn handle_exchange(inner: &Inner, peer: PeerId, mut stream: Stream) -> Inb
     report
 }
 
+/// How long a state request waits for the next outer step to make a fresh state.
+const STATE_WAIT: Duration = Duration::from_secs(90);
+
+/// The state to serve: a fresh one (for the round in progress or the next), else — the node
+/// makes its state only when asked — the one the next outer step makes, waited for up to
+/// [`STATE_WAIT`]; after that the newest there is, if any.
+async fn fresh_state(inner: &Inner) -> Option<(u64, Arc<OutgoingPayload>)> {
+    let deadline = tokio::time::Instant::now() + STATE_WAIT;
+    loop {
+        let changed = inner.changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        {
+            let mut st = inner.state.lock().expect("exchange state lock");
+            let floor = st.floor;
+            match &st.state {
+                Some((round, payload)) if *round >= floor => {
+                    return Some((*round, payload.clone()))
+                }
+                stale => {
+                    if tokio::time::Instant::now() >= deadline {
+                        return stale.clone();
+                    }
+                }
+            }
+            st.state_wanted = true;
+        }
+        let _ = tokio::time::timeout_at(deadline, changed).await;
+    }
+}
+
 async fn handle_state_request(inner: &Inner, peer: PeerId, mut stream: Stream) -> InboundReport {
     let cfg = &inner.config;
     let report = InboundReport {
@@ -535,13 +586,7 @@ async fn handle_state_request(inner: &Inner, peer: PeerId, mut stream: Stream) -
         Ok(_) => return refuse_and_report(stream, report, ExchangeError::UnexpectedFrame(0)).await,
         Err(e) => return refuse_and_report(stream, report, e).await,
     }
-    let current = inner
-        .state
-        .lock()
-        .expect("exchange state lock")
-        .state
-        .clone();
-    let Some((round, payload)) = current else {
+    let Some((round, payload)) = fresh_state(inner).await else {
         let mut report = report;
         let refusal = Refusal {
             reason: RefusalReason::NoState as i32,

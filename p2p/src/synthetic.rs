@@ -98,8 +98,12 @@ impl RoundWork for SyntheticTrainer {
     fn finish(&mut self, received: Received) -> WorkFuture<Finished> {
         let this = self.clone();
         Box::pin(async move {
+            let state = match received.want_state {
+                true => Some(this.payload(received.round).await),
+                false => None,
+            };
             Ok(Finished {
-                state: this.payload(received.round).await,
+                state,
                 val_loss: None,
             })
         })

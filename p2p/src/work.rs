@@ -80,6 +80,10 @@ pub struct Received {
     pub mixing: MixingRow,
     /// The payload of every neighbour term of `mixing`, by its index.
     pub payloads: Vec<Arrived>,
+    /// A joining node asked for this node's state: return it in [`Finished::state`]. It is
+    /// made on request only (copying and hashing anchor and momentum every round would be
+    /// work for nobody).
+    pub want_state: bool,
 }
 
 /// A neighbour's payload that arrived and passed every check.
@@ -101,8 +105,9 @@ impl Received {
 /// The state after the round's outer step.
 #[derive(Debug, Clone)]
 pub struct Finished {
-    /// Anchor and outer momentum, as state sync serves them to joining nodes.
-    pub state: TensorSet,
+    /// Anchor and outer momentum, as state sync serves them to joining nodes, when
+    /// [`Received::want_state`] asked for them.
+    pub state: Option<TensorSet>,
     /// Validation loss of the new anchor, when it was evaluated this round.
     pub val_loss: Option<f64>,
 }
