@@ -540,7 +540,8 @@ const STATE_WAIT: Duration = Duration::from_secs(90);
 
 /// The state to serve: a fresh one (for the round in progress or the next), else — the node
 /// makes its state only when asked — the one the next outer step makes, waited for up to
-/// [`STATE_WAIT`]; after that the newest there is, if any.
+/// [`STATE_WAIT`]; after that the newest there is, if any. A node not taking part in rounds
+/// yet (it has no position) will make none: it answers at once.
 async fn fresh_state(inner: &Inner) -> Option<(u64, Arc<OutgoingPayload>)> {
     let deadline = tokio::time::Instant::now() + STATE_WAIT;
     loop {
@@ -555,7 +556,7 @@ async fn fresh_state(inner: &Inner) -> Option<(u64, Arc<OutgoingPayload>)> {
                     return Some((*round, payload.clone()))
                 }
                 stale => {
-                    if tokio::time::Instant::now() >= deadline {
+                    if !st.positioned || tokio::time::Instant::now() >= deadline {
                         return stale.clone();
                     }
                 }
