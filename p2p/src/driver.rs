@@ -11,7 +11,7 @@
 //! step without a copy. The node's `/status` document is kept current through a `watch`
 //! channel.
 
-use crate::exchange::{OutgoingPayload, SendOptions};
+use crate::exchange::{ExchangeError, OutgoingPayload, SendOptions};
 use crate::exchange_service::{ExchangeResults, ExchangeService};
 use crate::network::{unix_ms, Client, NetworkEvent};
 pub use crate::round_machine::RoundRecord;
@@ -158,12 +158,19 @@ impl RoundDriver {
                     }
                     Output::MoveDeadline { deadline_ms, .. } => deadline.set(deadline_ms),
                     Output::StartExchange { round, neighbours } => {
-                        let Some(payload) = payload.clone() else {
-                            continue;
-                        };
                         let (service, table) = (self.service.clone(), table.clone());
                         let timeout = Duration::from_millis(timing.exchange_timeout_ms);
+                        let payload = payload.clone();
                         exchange = Some(tokio::spawn(async move {
+                            // The payload is stored before the `Trained` input that leads
+                            // here; without one, every neighbour fails and the round goes on.
+                            let Some(payload) = payload else {
+                                let failed =
+                                    || ExchangeError::Cancelled("no payload to send".into());
+                                let results =
+                                    neighbours.iter().map(|p| (*p, Err(failed()))).collect();
+                                return (round, results);
+                            };
                             let results = service
                                 .exchange_round(round, &neighbours, payload, Some(table), timeout)
                                 .await;
