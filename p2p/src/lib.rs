@@ -12,6 +12,7 @@
 //! - [`driver`], [`work`], [`synthetic`], [`join`], [`local_swarm`]: the async shell that runs
 //!   the round machine on a live swarm, what it asks of a trainer, the synthetic trainer,
 //!   `gasloc-node join`, and many nodes in one process.
+//! - [`swarm_sim`]: many round machines in one process over a simulated network (no I/O).
 
 /// Peer ids, as every crate of gasloc names nodes.
 pub use libp2p::PeerId;
@@ -32,6 +33,7 @@ pub mod permutation;
 pub mod round_machine;
 pub mod schedule;
 pub mod swarm;
+pub mod swarm_sim;
 pub mod synthetic;
 pub mod tensors;
 pub mod upload_limit;
