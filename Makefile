@@ -76,6 +76,7 @@ bench: setup
 	bash bench/train_throughput.sh
 	bench/exchange_goodput $(if $(filter 0,$(shell id -u)),all,loopback)
 	bench/control_plane_scale
+	bench/round_scale
 	bash bench/straggler.sh target/release $(DATA)/shakespeare-byte
 
 clean:
