@@ -381,15 +381,10 @@ impl RoundTrainer {
                 .with_context(|| format!("decoding the model from {}", arrived.peer))?;
             models.push((arrived.index, decoded));
         }
-        // The driver's row names a payload for every neighbour term; one without is a bug
-        // upstream, and mixing it as missing keeps the row stochastic all the same.
-        let missing: Vec<usize> = received
-            .mixing
-            .neighbours()
-            .filter(|j| !models.iter().any(|(i, _)| i == j))
-            .collect();
-        let row = received.mixing.without(&missing);
-        let delta = mixed_pseudo_gradient(&row, &self.anchor, |j| {
+        // The row is the round machine's: every neighbour term has its payload. Term
+        // `mixing.worker` (and, should a payload ever be missing, that term too — which is
+        // its weight returned to self) is this node's own model.
+        let delta = mixed_pseudo_gradient(&received.mixing, &self.anchor, |j| {
             match models.iter().find(|(i, _)| *i == j) {
                 Some((_, m)) => &m[..],
                 None => &own[..],

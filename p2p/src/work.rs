@@ -95,13 +95,6 @@ pub struct Arrived {
     pub tensors: TensorSet,
 }
 
-impl Received {
-    /// The payload of term `index` of the mixing row, if one arrived.
-    pub fn payload(&self, index: usize) -> Option<&Arrived> {
-        self.payloads.iter().find(|a| a.index == index)
-    }
-}
-
 /// The state after the round's outer step.
 #[derive(Debug, Clone)]
 pub struct Finished {
