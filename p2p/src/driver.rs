@@ -16,7 +16,7 @@ use crate::exchange_service::{ExchangeResults, ExchangeService};
 use crate::network::{unix_ms, Client, NetworkEvent};
 pub use crate::round_machine::RoundRecord;
 use crate::round_machine::{Input, MachineConfig, Outcome, Output, RoundMachine, StatusChange};
-use crate::schedule::RoundSchedule;
+use crate::schedule::{RoundSchedule, Timing};
 use crate::tensors::TensorSet;
 use crate::work::{
     Arrived, Finished, Received, RoundWork, TrainDeadline, TrainOrder, Trained, WorkFuture,
@@ -80,7 +80,8 @@ fn ready_to_send<T: Send + 'static>(
 pub struct RoundDriver {
     pub client: Client,
     pub events: mpsc::UnboundedReceiver<NetworkEvent>,
-    pub schedule: RoundSchedule,
+    /// The run's round timing (the driver's commit-reveal schedule is made from it).
+    pub timing: Timing,
     pub service: ExchangeService,
     pub work: Box<dyn RoundWork>,
     pub options: DriverOptions,
@@ -101,7 +102,7 @@ impl RoundDriver {
         mut on_record: impl FnMut(&RoundRecord),
     ) -> anyhow::Result<Vec<RoundRecord>> {
         let me = self.client.peer_id();
-        let timing = self.schedule.timing().clone();
+        let timing = self.timing.clone();
         let table = Arc::new(self.work.payload_table());
         let config = MachineConfig {
             rounds: self.options.rounds,
@@ -114,10 +115,7 @@ impl RoundDriver {
                 .map(|l| l.bytes_per_s()),
             withhold_reveals: self.options.withhold_reveals,
         };
-        let schedule = std::mem::replace(
-            &mut self.schedule,
-            RoundSchedule::new(timing.clone(), *self.run_id.as_bytes(), me),
-        );
+        let schedule = RoundSchedule::new(timing.clone(), *self.run_id.as_bytes(), me);
         let mut machine = RoundMachine::new(
             me,
             config,
@@ -132,7 +130,6 @@ impl RoundDriver {
         let mut training: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Trained)>> = None;
         let mut exchange: Option<JoinHandle<(u64, ExchangeResults)>> = None;
         let mut finishing: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Finished)>> = None;
-        let (mut training_round, mut finishing_round) = (0, 0);
         let mut records = Vec::new();
         let mut stopping = false;
         let mut outcome = Ok(());
@@ -143,7 +140,6 @@ impl RoundDriver {
                     Output::Publish { round, body } => self.publish(round, body).await,
                     Output::StartTraining { round, deadline_ms } => {
                         self.service.advance_floor(round);
-                        training_round = round;
                         deadline = TrainDeadline::new(deadline_ms);
                         // The payload moves into the outgoing message (no copy).
                         training = Some(ready_to_send(
@@ -197,7 +193,6 @@ impl RoundDriver {
                         }
                         arrived.clear();
                         payload = None;
-                        finishing_round = round;
                         // The late-joiner state is made only when someone asked for it.
                         let want_state = self.service.take_state_wanted();
                         finishing = Some(ready_to_send(
@@ -258,7 +253,7 @@ impl RoundDriver {
                         Ok((ready, trained)) => {
                             payload = ready;
                             Input::Trained {
-                                round: training_round,
+                                round: machine.phase().map_or(0, |(round, _)| round),
                                 inner_steps: trained.inner_steps,
                                 step_time_s: trained.step_time_s,
                                 train_loss: trained.train_loss,
@@ -281,10 +276,12 @@ impl RoundDriver {
                     finishing = None;
                     match done {
                         Ok((state, finished)) => {
+                            // One round is in flight: the one finishing.
+                            let round = machine.phase().map_or(0, |(round, _)| round);
                             if let Some(state) = state {
-                                self.service.set_state(finishing_round + 1, state);
+                                self.service.set_state(round + 1, state);
                             }
-                            Input::Finished { round: finishing_round, val_loss: finished.val_loss }
+                            Input::Finished { round, val_loss: finished.val_loss }
                         }
                         Err(e) => {
                             outcome = Err(e.context("the outer step failed"));

@@ -11,7 +11,7 @@ use crate::exchange::SendOptions;
 use crate::exchange_service::{ExchangeConfig, ExchangeService};
 use crate::manifest_service::verify_manifest_response;
 use crate::network::{self, peer_id_of, ClientError, Reachability};
-use crate::schedule::{RoundSchedule, Timing};
+use crate::schedule::Timing;
 use crate::synthetic::SyntheticTrainer;
 use crate::upload_limit::{parse_rate, UploadLimiter};
 use crate::work::RoundWork;
@@ -244,7 +244,7 @@ pub async fn run(
     let driver = RoundDriver {
         client: client.clone(),
         events: network.events,
-        schedule: RoundSchedule::new(timing, *run_id.as_bytes(), me),
+        timing,
         service,
         work,
         options: DriverOptions {

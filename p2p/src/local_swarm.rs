@@ -9,7 +9,7 @@ use crate::driver::{DriverOptions, RoundDriver, RoundRecord};
 use crate::exchange::SendOptions;
 use crate::exchange_service::{ExchangeConfig, ExchangeService};
 use crate::network::{self, unix_ms};
-use crate::schedule::{RoundSchedule, Timing};
+use crate::schedule::Timing;
 use crate::synthetic::SyntheticTrainer;
 use anyhow::{bail, Context};
 use gasloc_proto::RunId;
@@ -100,7 +100,7 @@ impl LocalSwarm {
                 service,
                 client: network.client.clone(),
                 events: network.events,
-                schedule: RoundSchedule::new(timing.clone(), *self.run_id.as_bytes(), me),
+                timing: timing.clone(),
                 work: Box::new(SyntheticTrainer {
                     peer: me,
                     ..self.trainer.clone()

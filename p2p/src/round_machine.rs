@@ -390,6 +390,22 @@ impl RoundMachine {
         }
     }
 
+    /// The round in flight if it is `round` in `phase`: a result for any other is stale or
+    /// out of order, and ignored.
+    fn in_flight(active: &mut Option<InFlight>, round: u64, phase: Phase) -> Option<&mut InFlight> {
+        let a = active
+            .as_mut()
+            .filter(|a| a.round == round && a.phase == phase);
+        if a.is_none() {
+            tracing::debug!(
+                round,
+                ?phase,
+                "a result for a round not in that phase: ignored"
+            );
+        }
+        a
+    }
+
     fn on_trained(
         &mut self,
         round: u64,
@@ -399,13 +415,9 @@ impl RoundMachine {
         now: u64,
         out: &mut Vec<Output>,
     ) {
-        let Some(a) = self.active.as_mut().filter(|a| a.round == round) else {
-            tracing::debug!(round, "training result for a round not in flight: ignored");
+        let Some(a) = Self::in_flight(&mut self.active, round, Phase::Training) else {
             return;
         };
-        if a.phase != Phase::Training {
-            return;
-        }
         a.inner_steps = inner_steps;
         a.step_time_s = step_time_s;
         a.train_loss = train_loss;
@@ -428,13 +440,9 @@ impl RoundMachine {
         now: u64,
         out: &mut Vec<Output>,
     ) {
-        let Some(a) = self.active.as_mut().filter(|a| a.round == round) else {
-            tracing::debug!(round, "exchange result for a round not in flight: ignored");
+        let Some(a) = Self::in_flight(&mut self.active, round, Phase::Exchanging) else {
             return;
         };
-        if a.phase != Phase::Exchanging {
-            return;
-        }
         let neighbours = a.plan.as_ref().map_or(&[][..], |p| &p.neighbours[..]);
         // One outcome per neighbour, in neighbour order: others are dropped, the missing
         // ones failed.
@@ -489,15 +497,8 @@ impl RoundMachine {
     }
 
     fn on_finished(&mut self, round: u64, val_loss: Option<f64>, now: u64, out: &mut Vec<Output>) {
-        match self.active.as_ref() {
-            Some(a) if a.round == round && a.phase == Phase::Finishing => {}
-            _ => {
-                tracing::debug!(
-                    round,
-                    "outer step result for a round not finishing: ignored"
-                );
-                return;
-            }
+        if Self::in_flight(&mut self.active, round, Phase::Finishing).is_none() {
+            return;
         }
         let a = self.active.take().expect("checked above");
         let finish_started = a.exchange_done_ms.unwrap_or(now);
