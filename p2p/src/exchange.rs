@@ -177,37 +177,37 @@ impl OutgoingPayload {
             None => Encoding::Raw,
         };
         let chunk_size = options.chunk_size.max(1) as usize;
-        let chunks = set
-            .tensors
-            .iter()
-            .map(|t| {
-                t.data
-                    .chunks(chunk_size)
-                    .map(|chunk| {
-                        let zstd = options.zstd_level.map(|level| {
-                            zstd::bulk::compress(chunk, level).expect("zstd compresses any bytes")
-                        });
-                        let on_wire = zstd.as_deref().unwrap_or(chunk);
-                        EncodedChunk {
-                            checksum: *blake3::hash(on_wire).as_bytes(),
-                            zstd,
-                        }
-                    })
-                    .collect()
-            })
-            .collect();
-        let entries = set
-            .tensors
-            .iter()
-            .map(|t| TensorEntry {
+        // One pass over each tensor: every chunk encoded and hashed, the tensor's own
+        // checksum (of its raw bytes) grown chunk by chunk alongside.
+        let mut entries = Vec::with_capacity(set.tensors.len());
+        let mut chunks = Vec::with_capacity(set.tensors.len());
+        for t in &set.tensors {
+            let mut whole = blake3::Hasher::new();
+            let encoded: Vec<EncodedChunk> = t
+                .data
+                .chunks(chunk_size)
+                .map(|chunk| {
+                    whole.update(chunk);
+                    let zstd = options.zstd_level.map(|level| {
+                        zstd::bulk::compress(chunk, level).expect("zstd compresses any bytes")
+                    });
+                    let on_wire = zstd.as_deref().unwrap_or(chunk);
+                    EncodedChunk {
+                        checksum: *blake3::hash(on_wire).as_bytes(),
+                        zstd,
+                    }
+                })
+                .collect();
+            chunks.push(encoded);
+            entries.push(TensorEntry {
                 name: t.name.clone(),
                 dtype: t.dtype as i32,
                 shape: t.shape.clone(),
                 encoding: encoding as i32,
                 byte_length: t.data.len() as u64,
-                checksum: blake3::hash(&t.data).as_bytes().to_vec(),
-            })
-            .collect();
+                checksum: whole.finalize().as_bytes().to_vec(),
+            });
+        }
         OutgoingPayload {
             kind,
             set,
