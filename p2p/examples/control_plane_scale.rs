@@ -7,7 +7,10 @@
 //! the agreement rate and messages per node against the ideal `3·(n−1)` (a commit, an
 //! announce and a reveal from every other node), both measured in this run.
 
-use anyhow::{anyhow, Result};
+mod common;
+
+use anyhow::Result;
+use common::arg;
 use gasloc_p2p::driver::RoundRecord;
 use gasloc_p2p::local_swarm::LocalSwarm;
 use gasloc_p2p::schedule::Timing;
@@ -15,17 +18,6 @@ use gasloc_p2p::synthetic::SyntheticTrainer;
 use gasloc_proto::topology::Topology;
 use std::collections::BTreeMap;
 use std::time::Duration;
-
-fn arg(args: &[String], name: &str, default: u64) -> Result<u64> {
-    match args.iter().position(|a| a == name) {
-        Some(i) => args
-            .get(i + 1)
-            .ok_or_else(|| anyhow!("{name} needs a value"))?
-            .parse()
-            .map_err(|e| anyhow!("{name}: {e}")),
-        None => Ok(default),
-    }
-}
 
 fn percentile(values: &mut [u64], p: f64) -> u64 {
     values.sort_unstable();
@@ -39,11 +31,11 @@ async fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args: Vec<String> = std::env::args().collect();
-    let nodes = arg(&args, "--nodes", 32)? as usize;
-    let rounds = arg(&args, "--rounds", 10)?;
-    let period = arg(&args, "--period-ms", 3000)?;
-    let commit_window = arg(&args, "--commit-window-ms", 2000)?;
-    let reveal_window = arg(&args, "--reveal-window-ms", 800)?;
+    let nodes = arg::<u64>(&args, "--nodes", 32)? as usize;
+    let rounds = arg::<u64>(&args, "--rounds", 10)?;
+    let period = arg::<u64>(&args, "--period-ms", 3000)?;
+    let commit_window = arg::<u64>(&args, "--commit-window-ms", 2000)?;
+    let reveal_window = arg::<u64>(&args, "--reveal-window-ms", 800)?;
     let swarm = LocalSwarm {
         nodes,
         rounds,

@@ -15,24 +15,12 @@
 //!             [--link-bytes-per-s 10000000] [--isolate-reveals-of I] [--seed 1]
 //! ```
 
+mod common;
+
 use anyhow::{anyhow, bail, Result};
+use common::arg;
 use gasloc_p2p::swarm_sim::{run, Dissemination, SimConfig};
 use gasloc_proto::topology::Topology;
-use std::str::FromStr;
-
-fn arg<T: FromStr>(args: &[String], name: &str, default: T) -> Result<T>
-where
-    T::Err: std::fmt::Display,
-{
-    match args.iter().position(|a| a == name) {
-        Some(i) => args
-            .get(i + 1)
-            .ok_or_else(|| anyhow!("{name} needs a value"))?
-            .parse()
-            .map_err(|e| anyhow!("{name}: {e}")),
-        None => Ok(default),
-    }
-}
 
 fn main() -> Result<()> {
     tracing_subscriber::fmt()

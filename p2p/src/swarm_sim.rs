@@ -536,26 +536,12 @@ impl Sim {
                     started: now,
                     deadline: deadline_ms,
                 });
-                self.push(
-                    deadline_ms.max(now),
-                    Event::Trained {
-                        node,
-                        round,
-                        deadline: deadline_ms,
-                    },
-                );
+                self.train_until(node, round, deadline_ms, now);
             }
             Output::MoveDeadline { round, deadline_ms } => {
                 if let Some(t) = self.nodes[i].training.as_mut().filter(|t| t.round == round) {
                     t.deadline = deadline_ms;
-                    self.push(
-                        deadline_ms.max(now),
-                        Event::Trained {
-                            node,
-                            round,
-                            deadline: deadline_ms,
-                        },
-                    );
+                    self.train_until(node, round, deadline_ms, now);
                 }
             }
             Output::StartExchange { round, neighbours } => {
@@ -567,6 +553,19 @@ impl Sim {
             Output::Record(record) => self.record(node, &record),
             Output::Status(_) => {}
         }
+    }
+
+    /// The node's training of `round` ends at `deadline` (a moved deadline schedules again;
+    /// the stale event is ignored).
+    fn train_until(&mut self, node: u32, round: u64, deadline: u64, now: u64) {
+        self.push(
+            deadline.max(now),
+            Event::Trained {
+                node,
+                round,
+                deadline,
+            },
+        );
     }
 
     fn publish(&mut self, source: u32, round: u64, body: Body, now: u64) {
