@@ -7,6 +7,8 @@
 //! * [`trainer`]: one model + optimizer + data stream, stepping and evaluating;
 //! * [`checkpoint`]: Hugging Face-compatible checkpoints plus gasloc's training state;
 //! * [`volunteer`]: the trainer behind `gasloc-node join` (rounds on its own thread);
+//! * [`join`]: the `gasloc-node join` process around one swarm node (flags, runtime,
+//!   stdout, report, status server, signals);
 //! * [`device`]: `--device` parsing.
 //!
 //! Token data lives in the torch-free `gasloc-data` crate, the run manifest in
@@ -15,6 +17,7 @@
 pub mod algo;
 pub mod checkpoint;
 pub mod device;
+pub mod join;
 pub mod model;
 pub mod optim;
 pub mod sim;

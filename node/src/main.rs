@@ -10,11 +10,10 @@ use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::{validation_batches, WorkerSlot};
 use gasloc_node::checkpoint;
 use gasloc_node::device::{device_name, parse_device};
+use gasloc_node::join::JoinArgs;
 use gasloc_node::sim::report::{self, Summary};
 use gasloc_node::sim::{SimOptions, Simulation};
 use gasloc_node::trainer::{self, Trainer};
-use gasloc_node::volunteer::{Start, Volunteer, VolunteerOptions};
-use gasloc_p2p::join::{JoinArgs, JoinWork};
 use gasloc_proto::{RunManifest, Tokenizer};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -44,38 +43,9 @@ enum Command {
     #[command(subcommand)]
     Data(DataCommand),
     /// Join a run's swarm through its bootstrap nodes and train with it.
-    Join(Box<JoinCommand>),
+    Join(Box<JoinArgs>),
     /// Print a running node's status (its --status-addr) in the terminal.
     Status(StatusArgs),
-}
-
-#[derive(Args)]
-struct JoinCommand {
-    #[command(flatten)]
-    network: JoinArgs,
-    /// Token shards of the run's data (`gasloc-node data prepare`). Needed unless --synthetic.
-    #[arg(long)]
-    data: Option<PathBuf>,
-    /// auto, cpu, cuda or cuda:N.
-    #[arg(long, default_value = "auto")]
-    device: String,
-    /// This node's directory: its identity key (identity.key, unless --identity) and its
-    /// checkpoints (checkpoints/). A restarted node resumes from here.
-    #[arg(long, default_value = "gasloc-home")]
-    home: PathBuf,
-    /// Save a checkpoint every this many rounds (and always when leaving).
-    #[arg(long, default_value_t = 10)]
-    checkpoint_every: u64,
-    /// Checkpoints kept.
-    #[arg(long, default_value_t = 3)]
-    keep_checkpoints: usize,
-    /// Evaluate the anchor every this many rounds (0: never).
-    #[arg(long, default_value_t = 1)]
-    eval_every: u64,
-    /// libtorch intra-op threads (0: libtorch's default; use 1 when several nodes share a
-    /// machine).
-    #[arg(long, default_value_t = 0)]
-    threads: i32,
 }
 
 #[derive(Args)]
@@ -213,7 +183,8 @@ struct PrepareArgs {
 fn main() {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,libp2p=warn".into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -223,7 +194,7 @@ fn main() {
         Command::Eval(args) => eval(args),
         Command::Sim(args) => sim(args),
         Command::Data(DataCommand::Prepare(args)) => data_prepare(args),
-        Command::Join(args) => join(*args),
+        Command::Join(args) => gasloc_node::join::run(*args),
         Command::Status(args) => gasloc_status::client::fetch_status(&args.addr)
             .map(|s| print!("{}", gasloc_status::client::format_status(&s))),
     };
@@ -246,51 +217,6 @@ fn process_cpu_seconds() -> f64 {
     };
     let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
     secs(usage.ru_utime) + secs(usage.ru_stime)
-}
-
-fn join(mut args: JoinCommand) -> Result<()> {
-    if args.network.identity.is_none() {
-        std::fs::create_dir_all(&args.home)
-            .with_context(|| format!("cannot create --home {}", args.home.display()))?;
-        args.network.identity = Some(args.home.join("identity.key"));
-    }
-    if args.network.synthetic {
-        let network = args.network.clone();
-        return gasloc_p2p::join::run_blocking(args.network, move |ctx| {
-            gasloc_p2p::join::synthetic_work(&network, ctx)
-        });
-    }
-    let Some(data) = args.data.clone() else {
-        bail!("join needs --data <dir> with the run's token shards (or --synthetic)");
-    };
-    let device = parse_device(&args.device)?;
-    gasloc_p2p::join::run_blocking(args.network, move |ctx| {
-        let volunteer = Volunteer::start(VolunteerOptions {
-            manifest: ctx.manifest.clone(),
-            device,
-            data,
-            checkpoints: args.home.join("checkpoints"),
-            checkpoint_every: args.checkpoint_every,
-            keep_checkpoints: args.keep_checkpoints,
-            eval_every: args.eval_every,
-            threads: args.threads,
-            peer: ctx.peer,
-        })?;
-        let start = volunteer.start_kind();
-        match start {
-            Start::Fresh => println!("start=fresh device={}", device_name(device)),
-            Start::Resumed { round, step } => {
-                println!(
-                    "start=resumed round={round} step={step} device={}",
-                    device_name(device)
-                )
-            }
-        }
-        Ok(JoinWork {
-            work: Box::new(volunteer),
-            wants_state: start == Start::Fresh,
-        })
-    })
 }
 
 fn set_threads(threads: i32) {

@@ -5,7 +5,7 @@ mod common;
 use common::{byte_data, TINY_RUN};
 use gasloc_data::shards::TokenDataset;
 use gasloc_node::sim::clock::Straggler;
-use gasloc_node::sim::{RoundRecord, SimOptions, Simulation};
+use gasloc_node::sim::{SimOptions, Simulation, SwarmRound};
 use gasloc_proto::RunManifest;
 use std::sync::{Arc, Mutex};
 use tch::Tensor;
@@ -34,7 +34,7 @@ fn options(workers: usize, rounds: u64) -> SimOptions {
 /// test threads would interleave their draws, so they take turns.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-fn simulate(m: &RunManifest, o: SimOptions) -> (Vec<RoundRecord>, Vec<Vec<Tensor>>) {
+fn simulate(m: &RunManifest, o: SimOptions) -> (Vec<SwarmRound>, Vec<Vec<Tensor>>) {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     tch::set_num_threads(1);
     let dir = tempfile::tempdir().unwrap();
@@ -75,7 +75,7 @@ fn the_same_seed_gives_the_same_run() {
     let (a, anchors_a) = simulate(&m, options(4, 3));
     let (b, anchors_b) = simulate(&m, options(4, 3));
     assert!(same_bits(&anchors_a, &anchors_b));
-    let losses = |r: &[RoundRecord]| -> Vec<f64> {
+    let losses = |r: &[SwarmRound]| -> Vec<f64> {
         r.iter()
             .flat_map(|r| r.workers.iter().map(|w| w.train_loss))
             .collect()

@@ -76,21 +76,22 @@ fn ready_to_send<T: Send + 'static>(
     })
 }
 
-/// Drives rounds until `options.rounds` have finished or `stop` is cancelled.
+/// Drives rounds until `options.rounds` have finished or `stop` is cancelled. Built by
+/// [`crate::swarm_node::JoinedNode::take_part`], the one wiring of a node.
 pub struct RoundDriver {
-    pub client: Client,
-    pub events: mpsc::UnboundedReceiver<NetworkEvent>,
+    pub(crate) client: Client,
+    pub(crate) events: mpsc::UnboundedReceiver<NetworkEvent>,
     /// The run's round timing (the driver's commit-reveal schedule is made from it).
-    pub timing: Timing,
-    pub service: ExchangeService,
-    pub work: Box<dyn RoundWork>,
-    pub options: DriverOptions,
-    pub run_id: gasloc_proto::RunId,
+    pub(crate) timing: Timing,
+    pub(crate) service: ExchangeService,
+    pub(crate) work: Box<dyn RoundWork>,
+    pub(crate) options: DriverOptions,
+    pub(crate) run_id: gasloc_proto::RunId,
     /// The node's `/status` document, updated as the round moves on.
-    pub status: watch::Sender<NodeStatus>,
+    pub(crate) status: watch::Sender<NodeStatus>,
     /// Cancelled to leave: the round in flight finishes its exchange (bounded by the
     /// exchange timeout) and outer step, then the work is closed.
-    pub stop: CancellationToken,
+    pub(crate) stop: CancellationToken,
 }
 
 impl RoundDriver {
@@ -352,17 +353,7 @@ impl RoundDriver {
         self.status.send_modify(|s| {
             s.state = NodeState::Training;
             s.goodput.extend(goodput);
-            s.record_round(gasloc_status::RoundRecord {
-                round: record.round,
-                neighbours: record.neighbours.clone(),
-                inner_steps: record.inner_steps,
-                train_loss: record.train_loss,
-                val_loss: record.val_loss,
-                bytes_sent: record.bytes_sent,
-                bytes_received: record.bytes_received,
-                wait_s: record.wait_s,
-                round_s: record.round_s,
-            });
+            s.record_round(record.clone());
         });
     }
 

@@ -9,13 +9,14 @@
 //! - [`identity`]: the persisted node key.
 //! - [`upload_limit`]: the node's upload cap (`--max-upload-rate`).
 //! - [`round_machine`], [`links`]: a node's round lifecycle and its link estimates (sans-IO).
-//! - [`driver`], [`work`], [`synthetic`], [`join`], [`local_swarm`]: the async shell that runs
-//!   the round machine on a live swarm, what it asks of a trainer, the synthetic trainer,
-//!   `gasloc-node join`, and many nodes in one process.
+//! - [`driver`], [`work`], [`synthetic`]: the async shell that runs the round machine on a
+//!   live swarm, what it asks of a trainer, and the synthetic trainer.
+//! - [`swarm_node`]: one node wired (network, run topic, exchange service, driver), as
+//!   `gasloc-node join` and [`local_swarm`] (many nodes in one process) both start it.
 //! - [`swarm_sim`]: many round machines in one process over a simulated network (no I/O).
 
 /// Peer ids, as every crate of gasloc names nodes.
-pub use libp2p::PeerId;
+pub use libp2p::{Multiaddr, PeerId};
 
 pub mod config;
 pub mod control;
@@ -24,7 +25,6 @@ pub mod exchange;
 pub mod exchange_service;
 pub mod frames;
 pub mod identity;
-pub mod join;
 pub mod links;
 pub mod local_swarm;
 pub mod manifest_service;
@@ -33,6 +33,7 @@ pub mod permutation;
 pub mod round_machine;
 pub mod schedule;
 pub mod swarm;
+pub mod swarm_node;
 pub mod swarm_sim;
 pub mod synthetic;
 pub mod tensors;

@@ -1,15 +1,15 @@
 //! Many real nodes in one process on loopback, for tests and the control-plane benchmark.
 //!
 //! Node 0 doubles as the hub every other node bootstraps from (as a bootstrap node would);
-//! every node runs the real swarm, control plane, round driver, exchange service and the
-//! synthetic trainer.
+//! every node is wired as `gasloc-node join` wires it ([`SwarmNode`]): the real swarm,
+//! control plane, round driver and exchange service, with the synthetic trainer.
 
 use crate::config::{NetworkConfig, Role};
-use crate::driver::{DriverOptions, RoundDriver, RoundRecord};
+use crate::driver::{DriverOptions, RoundRecord};
 use crate::exchange::SendOptions;
-use crate::exchange_service::{ExchangeConfig, ExchangeService};
-use crate::network::{self, unix_ms};
+use crate::network::unix_ms;
 use crate::schedule::Timing;
+use crate::swarm_node::{Participation, SwarmNode};
 use crate::synthetic::SyntheticTrainer;
 use anyhow::{bail, Context};
 use gasloc_proto::RunId;
@@ -51,28 +51,31 @@ impl LocalSwarm {
         if n < 2 {
             bail!("a local swarm needs at least 2 nodes");
         }
-        let mut networks = Vec::with_capacity(n);
-        let hub = network::start(
+        let mut nodes = Vec::with_capacity(n);
+        let hub = SwarmNode::start(
             Keypair::generate_ed25519(),
             local_config(self.listen.clone(), vec![]),
+            None,
         )
         .await?;
         let hub_addr: Multiaddr =
-            format!("{}/p2p/{}", hub.listen_addrs[0], hub.client.peer_id()).parse()?;
-        networks.push(hub);
+            format!("{}/p2p/{}", hub.listen_addrs()[0], hub.peer_id()).parse()?;
+        nodes.push(hub);
         for _ in 1..n {
             let config = local_config(self.listen.clone(), vec![hub_addr.clone()]);
-            networks.push(network::start(Keypair::generate_ed25519(), config).await?);
+            nodes.push(SwarmNode::start(Keypair::generate_ed25519(), config, None).await?);
         }
-        for network in &networks {
-            network.client.join_run(self.run_id, None).await?;
+        // The rounds' timing is fixed once the topic has formed, so the nodes subscribe
+        // without one first; `join_run` below subscribes again with it.
+        for node in &nodes {
+            node.client().join_run(self.run_id, None).await?;
         }
         // Bounded wait: the hub sees everyone on the topic, everyone sees the hub.
         let mut ready = false;
         for _ in 0..400 {
-            ready = networks[0].client.topic_peers().await?.len() >= n - 1;
-            for network in &networks[1..] {
-                ready &= !network.client.topic_peers().await?.is_empty();
+            ready = nodes[0].client().topic_peers().await?.len() >= n - 1;
+            for node in &nodes[1..] {
+                ready &= !node.client().topic_peers().await?.is_empty();
             }
             if ready {
                 break;
@@ -90,36 +93,23 @@ impl LocalSwarm {
         };
         timing.validate().map_err(anyhow::Error::msg)?;
         let mut tasks = Vec::with_capacity(n);
-        for (i, network) in networks.into_iter().enumerate() {
-            let me = network.client.peer_id();
-            let mut exchange_config = ExchangeConfig::new(self.run_id);
-            exchange_config.accept_wait = Duration::from_millis(timing.exchange_timeout_ms);
-            let service =
-                ExchangeService::start(me, network.client.stream_control(), exchange_config)?;
-            let driver = RoundDriver {
-                service,
-                client: network.client.clone(),
-                events: network.events,
-                timing: timing.clone(),
+        for (i, node) in nodes.into_iter().enumerate() {
+            let me = node.peer_id();
+            let node = node.join_run(self.run_id, timing.clone()).await?;
+            let participation = Participation {
                 work: Box::new(SyntheticTrainer {
                     peer: me,
                     ..self.trainer.clone()
                 }),
-                status: tokio::sync::watch::channel(Default::default()).0,
-                stop: Default::default(),
                 options: DriverOptions {
                     rounds: self.rounds,
                     withhold_reveals: self.withholder == Some(i),
                     send: SendOptions::default(),
                 },
-                run_id: self.run_id,
+                status: tokio::sync::watch::channel(Default::default()).0,
+                stop: Default::default(),
             };
-            let client = network.client;
-            tasks.push(tokio::spawn(async move {
-                let records = driver.run(|_| {}).await;
-                client.shutdown().await;
-                records
-            }));
+            tasks.push(tokio::spawn(node.take_part(participation, |_| {})));
         }
         let bound = Duration::from_millis(timing.period_ms * (self.rounds + 4) + 20_000);
         let mut all = Vec::with_capacity(n);

@@ -37,10 +37,10 @@ use crate::schedule::{Action, RoundPlan, RoundSchedule, Timing};
 use gasloc_proto::pace::MovingAverage;
 use gasloc_proto::topology::{MixingRow, Topology};
 use gasloc_proto::wire::{control_message::Body, Announce, Commit, ControlMessage, Reveal};
+pub use gasloc_status::RoundRecord;
 use libp2p::PeerId;
 use rand::rngs::StdRng;
 use rand::RngCore;
-use serde::Serialize;
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -152,66 +152,6 @@ pub enum Phase {
     Exchanging,
     /// Mixing and the outer step.
     Finishing,
-}
-
-/// What one node saw and did in one round (peer ids as base58 strings).
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct RoundRecord {
-    pub peer: String,
-    pub round: u64,
-    pub is_member: bool,
-    pub members: Vec<String>,
-    pub permutation: Vec<String>,
-    pub neighbours: Vec<String>,
-    /// Neighbours whose payload arrived and passed every check.
-    pub exchanged: Vec<String>,
-    /// Neighbours whose payload arrived and was refused, with the reason.
-    pub refused: Vec<(String, String)>,
-    /// Neighbours that failed, with the reason.
-    pub failed: Vec<(String, String)>,
-    /// The weights applied, `(peer, weight)`, this node first: the round topology's row
-    /// with the weight of every neighbour that sent nothing usable returned to self.
-    pub mixing: Vec<(String, f64)>,
-    pub bytes_sent: u64,
-    pub bytes_received: u64,
-    /// Inner steps taken (H_i) and the moving average of one step, seconds.
-    pub inner_steps: u64,
-    pub step_time_s: f64,
-    /// Seconds from the round start the inner steps were given (their final deadline), and
-    /// the exchange time predicted for the round.
-    pub budget_s: f64,
-    pub predicted_exchange_s: f64,
-    /// Seconds from the start of the exchange until every neighbour's result was in.
-    pub exchange_s: f64,
-    /// Seconds the slowest swap took from both sides being ready to its end: the link's
-    /// share of `exchange_s` (what `predicted_exchange_s` predicts).
-    pub transfer_s: f64,
-    /// Seconds from "payload ready" until every neighbour's result was in (agreement and
-    /// neighbours included).
-    pub wait_s: f64,
-    /// Seconds of the mixing and outer step.
-    pub finish_s: f64,
-    /// Seconds from the round start until its outer step was done.
-    pub round_s: f64,
-    pub train_loss: Option<f64>,
-    pub val_loss: Option<f64>,
-    /// Milliseconds from the round start until the round was decided.
-    pub decided_after_ms: u64,
-    /// Milliseconds from the opening of the round's commit window (when members publish
-    /// their commits, during the round before) to the last commit received from another
-    /// peer.
-    pub last_commit_after_ms: u64,
-    /// Milliseconds from the round start (when members publish their reveals) to the last
-    /// reveal received.
-    pub last_reveal_after_ms: u64,
-    /// Control messages about this round this node received (commits, announces, reveals).
-    pub control_messages: u64,
-    /// Peers this node had a connection to when the round ended (filled in by the driver).
-    pub connected_peers: usize,
-    /// AutoNAT's verdict when the round ended (filled in by the driver).
-    pub reachability: gasloc_status::Reachability,
-    /// Hole punches since the node started (filled in by the driver).
-    pub hole_punches: u64,
 }
 
 /// The round in flight, with what the record needs (times in Unix ms).

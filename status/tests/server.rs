@@ -37,6 +37,7 @@ fn sample_status() -> NodeStatus {
             bytes_received: 3 << 20,
             wait_s: 0.5,
             round_s: 5.0,
+            ..Default::default()
         });
     }
     s

@@ -106,7 +106,7 @@ pub struct WorkerRound {
 
 /// One round of the whole swarm.
 #[derive(Debug, Clone, Serialize)]
-pub struct RoundRecord {
+pub struct SwarmRound {
     /// 1-based.
     pub round: u64,
     /// The simulated wall-clock: the latest worker's clock.
@@ -119,7 +119,7 @@ pub struct RoundRecord {
     pub workers: Vec<WorkerRound>,
 }
 
-impl RoundRecord {
+impl SwarmRound {
     pub fn mean_train_loss(&self) -> f64 {
         self.workers.iter().map(|w| w.train_loss).sum::<f64>() / self.workers.len() as f64
     }
@@ -254,7 +254,7 @@ impl Simulation {
     }
 
     /// Runs the next round.
-    pub fn run_round(&mut self) -> Result<RoundRecord> {
+    pub fn run_round(&mut self) -> Result<SwarmRound> {
         self.round += 1;
         let record = if self.manifest.outer.algorithm == Algorithm::Ddp {
             self.ddp_round()?
@@ -307,7 +307,7 @@ impl Simulation {
     }
 
     /// A local-update round: inner steps, exchange, outer step.
-    fn local_round(&mut self) -> Result<RoundRecord> {
+    fn local_round(&mut self) -> Result<SwarmRound> {
         let rows = self.mixing_rows();
         let steps = self.inner_steps(&rows);
         let mut losses = Vec::new();
@@ -509,7 +509,7 @@ impl Simulation {
     }
 
     /// Synchronous data parallel: one step, gradients averaged over all workers.
-    fn ddp_round(&mut self) -> Result<RoundRecord> {
+    fn ddp_round(&mut self) -> Result<SwarmRound> {
         let n = self.workers.len();
         let mut losses = Vec::with_capacity(n);
         let mut compute = Vec::with_capacity(n);
@@ -577,7 +577,7 @@ impl Simulation {
             .collect()
     }
 
-    fn finish_record(&self, workers: Vec<WorkerRound>, full_sync: bool) -> RoundRecord {
+    fn finish_record(&self, workers: Vec<WorkerRound>, full_sync: bool) -> SwarmRound {
         let anchors: Vec<Vec<Tensor>> = self
             .workers
             .iter()
@@ -597,7 +597,7 @@ impl Simulation {
                 .sum::<f64>()
                 / evaluated.len() as f64
         });
-        RoundRecord {
+        SwarmRound {
             round: self.round,
             sim_time_s: workers.iter().map(|w| w.finish_s).fold(0.0, f64::max),
             val_loss,

@@ -2,7 +2,7 @@
 //! row per worker and round), `rounds.json` (everything), `summary.md` (one table) and
 //! `loss.svg` (validation and mean train loss per round).
 
-use super::{RoundRecord, SimOptions};
+use super::{SimOptions, SwarmRound};
 use anyhow::{Context, Result};
 use gasloc_proto::RunManifest;
 use plotters::prelude::*;
@@ -34,7 +34,7 @@ impl Summary {
     pub fn new(
         manifest: &RunManifest,
         options: &SimOptions,
-        records: &[RoundRecord],
+        records: &[SwarmRound],
         parameters: u64,
         target_loss: Option<f64>,
     ) -> Summary {
@@ -69,7 +69,7 @@ pub fn write_all(
     out: &Path,
     manifest: &RunManifest,
     options: &SimOptions,
-    records: &[RoundRecord],
+    records: &[SwarmRound],
     summary: &Summary,
 ) -> Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
@@ -92,7 +92,7 @@ pub fn write_all(
     plot_losses(&out.join("loss.svg"), &manifest.name, records)
 }
 
-fn rounds_csv(records: &[RoundRecord]) -> String {
+fn rounds_csv(records: &[SwarmRound]) -> String {
     let mut s = String::from(
         "round,sim_time_s,val_loss,consensus,train_loss_mean,bytes_sent_total,inner_steps_mean,wait_s_max,full_sync\n",
     );
@@ -114,7 +114,7 @@ fn rounds_csv(records: &[RoundRecord]) -> String {
     s
 }
 
-fn workers_csv(records: &[RoundRecord]) -> String {
+fn workers_csv(records: &[SwarmRound]) -> String {
     let mut s = String::from(
         "round,worker,inner_steps,train_loss,bytes_sent,compute_s,comm_s,wait_s,finish_s\n",
     );
@@ -197,7 +197,7 @@ fn summary_markdown(manifest: &RunManifest, options: &SimOptions, s: &Summary) -
 }
 
 /// Validation loss (points) and mean train loss (line) against the round.
-fn plot_losses(path: &Path, title: &str, records: &[RoundRecord]) -> Result<()> {
+fn plot_losses(path: &Path, title: &str, records: &[SwarmRound]) -> Result<()> {
     let train: Vec<(f64, f64)> = records
         .iter()
         .map(|r| (r.round as f64, r.mean_train_loss()))

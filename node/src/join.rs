@@ -1,24 +1,26 @@
-//! `gasloc-node join`: join a run through its bootstrap nodes and take part in rounds.
+//! `gasloc-node join`: the process around one swarm node.
 //!
-//! Everything of the subcommand but the trainer lives here: the swarm, the manifest fetch
-//! and check, state sync for a late joiner, the status server, signals, and the round
-//! driver. The trainer comes from the caller as a [`RoundWork`]: `gasloc-node` passes its
-//! libtorch trainer, or the **synthetic trainer** with `--synthetic`.
+//! This module owns what is the process's: the subcommand's flags ([`JoinArgs`]), the tokio
+//! runtime, the node's home directory, stdout (`key=value` lines, one summary line per
+//! round), the `--report` file, the status server and signals. The node itself — network,
+//! run topic, exchange service, round driver — is wired by [`gasloc_p2p::swarm_node`], the
+//! same wiring the in-process harness runs; the trainer is the libtorch [`Volunteer`] or,
+//! with `--synthetic`, [`SyntheticTrainer`].
 
-use crate::config::{NetworkConfig, Role};
-use crate::driver::{DriverOptions, RoundDriver, RoundRecord};
-use crate::exchange::SendOptions;
-use crate::exchange_service::{ExchangeConfig, ExchangeService};
-use crate::manifest_service::verify_manifest_response;
-use crate::network::{self, peer_id_of, ClientError, Reachability};
-use crate::schedule::Timing;
-use crate::synthetic::SyntheticTrainer;
-use crate::upload_limit::{parse_rate, UploadLimiter};
-use crate::work::RoundWork;
-use anyhow::{anyhow, bail, Context};
+use crate::device::{device_name, parse_device};
+use crate::volunteer::{Start, Volunteer, VolunteerOptions};
+use anyhow::{anyhow, bail, Context, Result};
+use gasloc_p2p::config::{NetworkConfig, Role};
+use gasloc_p2p::driver::{DriverOptions, RoundRecord};
+use gasloc_p2p::exchange::SendOptions;
+use gasloc_p2p::network::{peer_id_of, unix_ms};
+use gasloc_p2p::swarm_node::{FetchedState, Participation, SwarmNode};
+use gasloc_p2p::synthetic::SyntheticTrainer;
+use gasloc_p2p::upload_limit::{parse_rate, UploadLimiter};
+use gasloc_p2p::work::RoundWork;
+use gasloc_p2p::{Multiaddr, PeerId};
 use gasloc_proto::{RunId, RunManifest};
-use gasloc_status::{NodeMetrics, NodeStatus, StatusServer};
-use libp2p::{Multiaddr, PeerId};
+use gasloc_status::{NodeMetrics, NodeState, NodeStatus, Reachability, StatusServer};
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -35,12 +37,36 @@ pub struct JoinArgs {
     /// Addresses to listen on. Repeatable.
     #[arg(long = "listen", default_values = ["/ip4/0.0.0.0/udp/0/quic-v1", "/ip4/0.0.0.0/tcp/0"])]
     pub listen: Vec<Multiaddr>,
-    /// The node's identity key file (created with mode 0600 if missing); a fresh key when absent.
+    /// This node's directory: its identity key (identity.key, unless --identity) and its
+    /// checkpoints (checkpoints/). A restarted node resumes from here.
+    #[arg(long, default_value = "gasloc-home")]
+    pub home: PathBuf,
+    /// The node's identity key file (created with mode 0600 if missing; default:
+    /// <home>/identity.key).
     #[arg(long)]
     pub identity: Option<PathBuf>,
     /// The run id this node expects the bootstrap node to serve (64 hex digits).
     #[arg(long)]
     pub run_id: Option<RunId>,
+    /// Token shards of the run's data (`gasloc-node data prepare`). Needed unless --synthetic.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// auto, cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto")]
+    pub device: String,
+    /// Save a checkpoint every this many rounds (and always when leaving).
+    #[arg(long, default_value_t = 10)]
+    pub checkpoint_every: u64,
+    /// Checkpoints kept.
+    #[arg(long, default_value_t = 3)]
+    pub keep_checkpoints: usize,
+    /// Evaluate the anchor every this many rounds (0: never).
+    #[arg(long, default_value_t = 1)]
+    pub eval_every: u64,
+    /// libtorch intra-op threads (0: libtorch's default; use 1 when several nodes share a
+    /// machine).
+    #[arg(long, default_value_t = 0)]
+    pub threads: i32,
     /// Serve /status (JSON), /metrics (Prometheus) and the dashboard on this address
     /// (port 0 picks one; the address is printed as status=http://…).
     #[arg(long)]
@@ -132,67 +158,59 @@ impl JoinArgs {
         c.discovery_interval = Duration::from_secs(5);
         c
     }
+
+    /// The bootstrap nodes' peer ids (each `--bootstrap` must name one).
+    fn bootstrap_peers(&self) -> Result<Vec<PeerId>> {
+        self.bootstrap
+            .iter()
+            .map(|a| {
+                peer_id_of(a)
+                    .ok_or_else(|| anyhow!("--bootstrap {a} does not end in /p2p/<peer id>"))
+            })
+            .collect()
+    }
 }
 
-/// What the trainer is built from, once the run is known.
-pub struct WorkContext {
-    pub manifest: RunManifest,
-    pub peer: PeerId,
-}
-
-/// A trainer for the run: the work, and whether it needs the swarm's current state (a
-/// fresh node joining a run under way) rather than its own (seed or checkpoint).
-pub struct JoinWork {
-    pub work: Box<dyn RoundWork>,
-    pub wants_state: bool,
-}
-
-/// The synthetic trainer `--synthetic` asks for.
-pub fn synthetic_work(args: &JoinArgs, ctx: &WorkContext) -> anyhow::Result<JoinWork> {
-    if args.tensors == 0 || args.payload_bytes < 4 * args.tensors {
+/// Runs `gasloc-node join` to completion on a fresh tokio runtime: until `--rounds` rounds
+/// are done or SIGINT / SIGTERM, after which the round in flight finishes, the trainer is
+/// closed (its checkpoint) and the node leaves the swarm.
+pub fn run(args: JoinArgs) -> Result<()> {
+    if !args.synthetic && args.data.is_none() {
+        bail!("join needs --data <dir> with the run's token shards (or --synthetic)");
+    }
+    if args.synthetic && (args.tensors == 0 || args.payload_bytes < 4 * args.tensors) {
         bail!("--payload-bytes must give every one of the --tensors at least 4 bytes");
     }
-    Ok(JoinWork {
-        work: Box::new(SyntheticTrainer::new(
-            ctx.peer,
-            args.payload_bytes,
-            args.tensors,
-            args.inner_steps,
-            Duration::from_millis(args.step_time_ms),
-        )),
-        wants_state: false,
-    })
+    // The synthetic trainer uses no device.
+    let device = match args.synthetic {
+        true => None,
+        false => Some(parse_device(&args.device)?),
+    };
+    std::fs::create_dir_all(&args.home)
+        .with_context(|| format!("cannot create --home {}", args.home.display()))?;
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?
+        .block_on(join(args, device))
 }
 
-/// Runs `gasloc-node join` to completion: until `--rounds` rounds are done or SIGINT /
-/// SIGTERM, after which the round in flight finishes, the work is closed (checkpoint) and
-/// the node leaves the swarm. `make_work` builds the trainer once the manifest is known.
-pub async fn run(
-    args: JoinArgs,
-    make_work: impl FnOnce(&WorkContext) -> anyhow::Result<JoinWork>,
-) -> anyhow::Result<()> {
-    let bootstrap_peers: Vec<PeerId> = args
-        .bootstrap
-        .iter()
-        .map(|a| {
-            peer_id_of(a).ok_or_else(|| anyhow!("--bootstrap {a} does not end in /p2p/<peer id>"))
-        })
-        .collect::<anyhow::Result<_>>()?;
-    let keypair = match &args.identity {
-        Some(path) => crate::identity::load_or_create(path)?,
-        None => libp2p::identity::Keypair::generate_ed25519(),
-    };
+async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
+    let bootstrap_peers = args.bootstrap_peers()?;
+    let identity = args
+        .identity
+        .clone()
+        .unwrap_or_else(|| args.home.join("identity.key"));
+    let keypair = gasloc_p2p::identity::load_or_create(&identity)?;
     let mut registry = prometheus_client::registry::Registry::default();
-    let network =
-        network::start_with_metrics(keypair, args.network_config(), Some(&mut registry)).await?;
-    let client = network.client.clone();
-    let me = client.peer_id();
+    let node = SwarmNode::start(keypair, args.network_config(), Some(&mut registry)).await?;
+    let me = node.peer_id();
     println!("peer_id={me}");
-    for address in &network.listen_addrs {
+    for address in node.listen_addrs() {
         println!("listening={address}/p2p/{me}");
     }
 
-    let (manifest, timing) = fetch_manifest(&client, &bootstrap_peers, args.run_id).await?;
+    let (manifest, timing) = node.fetch_manifest(&bootstrap_peers, args.run_id).await?;
     let run_id = manifest.run_id();
     println!("run_id={run_id} name={}", manifest.name);
 
@@ -213,39 +231,32 @@ pub async fn run(
         None => None,
     };
 
-    let context = WorkContext {
-        manifest: manifest.clone(),
-        peer: me,
-    };
-    let JoinWork {
-        mut work,
-        wants_state,
-    } = make_work(&context)?;
+    let (mut work, wants_state) = make_trainer(&args, &manifest, me, device).await?;
 
-    client.join_run(run_id, Some(timing.clone())).await?;
-    let mut exchange_config = ExchangeConfig::new(run_id);
-    exchange_config.accept_wait = Duration::from_millis(timing.exchange_timeout_ms);
-    let service = ExchangeService::start(me, client.stream_control(), exchange_config)?;
-
-    wait_for_topic_peers(&client, args.min_peers).await?;
+    let node = node.join_run(run_id, timing.clone()).await?;
+    node.wait_for_topic_peers(args.min_peers, Duration::from_secs(60))
+        .await?;
     // A run under way (past its first round) has state to fetch; a new one starts from
     // the seed on every node.
-    let under_way = timing.round_at(network::unix_ms()).is_some_and(|r| r > 0);
+    let under_way = timing.round_at(unix_ms()).is_some_and(|r| r > 0);
     if args.sync_state || (wants_state && under_way) {
-        status.send_modify(|s| s.state = gasloc_status::NodeState::Syncing);
+        status.send_modify(|s| s.state = NodeState::Syncing);
         let table = Arc::new(work.state_table());
-        if let Some((round, state)) = sync_state(&client, &service, &bootstrap_peers, table).await {
-            work.load_state(round, state).await?;
+        match node.fetch_state(&bootstrap_peers, table).await {
+            Some(FetchedState { peer, round, state }) => {
+                println!(
+                    "state_synced_from={peer} round={round} bytes={}",
+                    state.byte_length()
+                );
+                work.load_state(round, state).await?;
+            }
+            None => println!("state_sync=none"),
         }
     }
 
     let stop = CancellationToken::new();
     spawn_signal_handler(stop.clone());
-    let driver = RoundDriver {
-        client: client.clone(),
-        events: network.events,
-        timing,
-        service,
+    let participation = Participation {
         work,
         options: DriverOptions {
             rounds: args.rounds.unwrap_or(u64::MAX),
@@ -258,7 +269,6 @@ pub async fn run(
                 ..SendOptions::default()
             },
         },
-        run_id,
         status,
         stop: stop.clone(),
     };
@@ -273,8 +283,8 @@ pub async fn run(
         ),
         None => None,
     };
-    let outcome = driver
-        .run(|record: &RoundRecord| {
+    let records = node
+        .take_part(participation, |record: &RoundRecord| {
             println!("{}", summary_line(record));
             if let Some(file) = report.as_mut() {
                 let line = serde_json::to_string(record).expect("records serialize");
@@ -283,9 +293,7 @@ pub async fn run(
                 }
             }
         })
-        .await;
-    client.shutdown().await;
-    let records = outcome?;
+        .await?;
     if let Some(rounds) = args.rounds {
         if (records.len() as u64) < rounds && !stop.is_cancelled() {
             bail!("stopped after {} of {rounds} rounds", records.len());
@@ -293,6 +301,48 @@ pub async fn run(
     }
     println!("left rounds={}", records.len());
     Ok(())
+}
+
+/// The trainer `args` ask for, and whether it needs the swarm's current state (a fresh
+/// node joining a run under way) rather than its own (seed or checkpoint). The libtorch
+/// trainer loads its data, model and checkpoint on a blocking thread.
+async fn make_trainer(
+    args: &JoinArgs,
+    manifest: &RunManifest,
+    peer: PeerId,
+    device: Option<tch::Device>,
+) -> Result<(Box<dyn RoundWork>, bool)> {
+    let Some(device) = device else {
+        let trainer = SyntheticTrainer::new(
+            peer,
+            args.payload_bytes,
+            args.tensors,
+            args.inner_steps,
+            Duration::from_millis(args.step_time_ms),
+        );
+        return Ok((Box::new(trainer), false));
+    };
+    let options = VolunteerOptions {
+        manifest: manifest.clone(),
+        device,
+        data: args.data.clone().context("--data is needed")?,
+        checkpoints: args.home.join("checkpoints"),
+        checkpoint_every: args.checkpoint_every,
+        keep_checkpoints: args.keep_checkpoints,
+        eval_every: args.eval_every,
+        threads: args.threads,
+        peer,
+    };
+    let volunteer = tokio::task::spawn_blocking(move || Volunteer::start(options)).await??;
+    match volunteer.start_kind() {
+        Start::Fresh => println!("start=fresh device={}", device_name(device)),
+        Start::Resumed { round, step } => println!(
+            "start=resumed round={round} step={step} device={}",
+            device_name(device)
+        ),
+    }
+    let wants_state = volunteer.start_kind() == Start::Fresh;
+    Ok((Box::new(volunteer), wants_state))
 }
 
 /// One terminal line per round.
@@ -337,109 +387,6 @@ fn spawn_signal_handler(stop: CancellationToken) {
     });
 }
 
-/// Asks each bootstrap node in turn for the manifest (retrying while connections come up).
-async fn fetch_manifest(
-    client: &network::Client,
-    bootstrap_peers: &[PeerId],
-    expected_run_id: Option<RunId>,
-) -> anyhow::Result<(gasloc_proto::RunManifest, Timing)> {
-    let mut last_error = String::from("no bootstrap node");
-    for attempt in 0..20 {
-        for peer in bootstrap_peers {
-            match client.request_manifest(*peer).await {
-                Ok(response) => {
-                    let manifest = verify_manifest_response(&response, expected_run_id)
-                        .map_err(|e| anyhow!("bootstrap {peer}: {e}"))?;
-                    let timing = response
-                        .timing
-                        .as_ref()
-                        .ok_or_else(|| anyhow!("bootstrap {peer} served no round timing"))
-                        .and_then(|t| {
-                            Timing::from_wire(t)
-                                .map_err(|e| anyhow!("bootstrap {peer}: round timing: {e}"))
-                        })?;
-                    return Ok((manifest, timing));
-                }
-                // Asking again would not help.
-                Err(e @ ClientError::NetworkStopped) => return Err(e.into()),
-                // The error names the peer.
-                Err(e) => last_error = e.to_string(),
-            }
-        }
-        tracing::debug!(attempt, %last_error, "manifest request failed; retrying");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    bail!("could not fetch the run manifest: {last_error}")
-}
-
-async fn wait_for_topic_peers(client: &network::Client, min_peers: usize) -> anyhow::Result<()> {
-    for _ in 0..600 {
-        let peers = client.topic_peers().await?;
-        if peers.len() >= min_peers {
-            return Ok(());
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    bail!("fewer than {min_peers} peers subscribed to the run's topic within 60 s")
-}
-
-/// Fetches the state from the first topic peer that is not a bootstrap node and has one;
-/// `None` when nobody has (a new run: start from the seed).
-async fn sync_state(
-    client: &network::Client,
-    service: &ExchangeService,
-    bootstrap_peers: &[PeerId],
-    table: Arc<Vec<crate::tensors::TensorSpec>>,
-) -> Option<(u64, crate::tensors::TensorSet)> {
-    // Subscriptions of peers found through Kademlia arrive over a few heartbeats.
-    let mut peers = Vec::new();
-    for _ in 0..100 {
-        peers = client.topic_peers().await.unwrap_or_default();
-        peers.retain(|p| !bootstrap_peers.contains(p));
-        if !peers.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    for peer in peers {
-        match service
-            .fetch_state(peer, Some(table.clone()), Duration::from_secs(120))
-            .await
-        {
-            Ok((round, set)) => {
-                println!(
-                    "state_synced_from={peer} round={round} bytes={}",
-                    set.byte_length()
-                );
-                return Some((round, set));
-            }
-            Err(e) => tracing::info!(%peer, error = %e, "no state from this peer"),
-        }
-    }
-    println!("state_sync=none");
-    None
-}
-
-/// [`run`] on a fresh tokio runtime, logging to stderr (`RUST_LOG` filters; a subscriber
-/// the caller installed first is kept). For binaries without their own runtime.
-pub fn run_blocking(
-    args: JoinArgs,
-    make_work: impl FnOnce(&WorkContext) -> anyhow::Result<JoinWork>,
-) -> anyhow::Result<()> {
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "info,libp2p=warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .try_init();
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the tokio runtime")?
-        .block_on(run(args, make_work))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -472,5 +419,15 @@ mod tests {
             .expect("a run id that is not hex is refused")
             .to_string();
         assert!(err.contains("'g' at position 2 is not one"), "{err}");
+    }
+
+    #[test]
+    fn a_bootstrap_address_without_a_peer_id_is_refused_naming_it() {
+        let cli = Cli::try_parse_from(["join", "--bootstrap", "/ip4/127.0.0.1/tcp/4001"]).unwrap();
+        let err = cli.join.bootstrap_peers().unwrap_err().to_string();
+        assert!(
+            err.contains("--bootstrap /ip4/127.0.0.1/tcp/4001 does not end in /p2p/<peer id>"),
+            "{err}"
+        );
     }
 }
