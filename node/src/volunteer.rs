@@ -31,8 +31,11 @@ use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::{Batch, WorkerSlot};
 use gasloc_p2p::network::unix_ms;
 use gasloc_p2p::tensors::{Tensor as WireTensor, TensorSet, TensorSpec};
-use gasloc_p2p::work::{Finished, Received, RoundWork, TrainOrder, Trained, WorkFuture};
+use gasloc_p2p::work::{
+    Candidate, Finished, Received, RoundWork, Screened, TrainOrder, Trained, WorkFuture,
+};
 use gasloc_p2p::PeerId;
+use gasloc_proto::gate::{PayloadGate, PayloadStats, Refusal};
 use gasloc_proto::manifest::{Algorithm, InnerOptimizerKind, Payload};
 use gasloc_proto::pace::{InnerSteps, MovingAverage};
 use gasloc_proto::wire::DType;
@@ -84,6 +87,7 @@ pub struct Volunteer {
 
 enum Request {
     Train(TrainOrder, oneshot::Sender<Result<Trained>>),
+    Screen(u64, Vec<Candidate>, oneshot::Sender<Result<Vec<Screened>>>),
     Finish(Received, oneshot::Sender<Result<Finished>>),
     LoadState(u64, TensorSet, oneshot::Sender<Result<()>>),
     Close(oneshot::Sender<Result<()>>),
@@ -156,6 +160,9 @@ impl RoundWork for Volunteer {
     fn train(&mut self, order: TrainOrder) -> WorkFuture<Trained> {
         self.call(|reply| Request::Train(order, reply))
     }
+    fn screen(&mut self, round: u64, candidates: Vec<Candidate>) -> WorkFuture<Vec<Screened>> {
+        self.call(|reply| Request::Screen(round, candidates, reply))
+    }
     fn finish(&mut self, received: Received) -> WorkFuture<Finished> {
         self.call(|reply| Request::Finish(received, reply))
     }
@@ -190,6 +197,8 @@ struct RoundTrainer {
     /// θ_i, on the trainer's device.
     anchor: Vec<Tensor>,
     outer: OuterOptimizer,
+    /// Judges each received model before it is mixed (`[gate]` of the manifest).
+    gate: PayloadGate,
     val: Vec<Batch>,
     payload_dtype: DType,
     /// Moving average of one inner step, seconds.
@@ -270,6 +279,7 @@ impl RoundTrainer {
             shapes,
             anchor,
             outer,
+            gate: PayloadGate::new(manifest.gate.clone()),
             val,
             step_time: MovingAverage::default(),
             round,
@@ -288,6 +298,9 @@ impl RoundTrainer {
             match request {
                 Request::Train(order, reply) => {
                     let _ = reply.send(self.train(order));
+                }
+                Request::Screen(round, candidates, reply) => {
+                    let _ = reply.send(self.screen(round, candidates));
                 }
                 Request::Finish(received, reply) => {
                     let _ = reply.send(self.finish(received));
@@ -364,6 +377,87 @@ impl RoundTrainer {
             .map(|(name, t)| to_wire(name.clone(), &t, kind, self.payload_dtype))
             .collect::<Result<Vec<_>>>()?;
         Ok(TensorSet::new(tensors))
+    }
+
+    /// The payload gate: measures each received model `x_j` against the anchor `θ_i` —
+    /// finiteness, `‖θ_i − x_j‖`, and its cosine with this node's own pseudo-gradient
+    /// `θ_i − x_i` — and lets [`PayloadGate`] judge (`gasloc_proto::gate`).
+    fn screen(&mut self, round: u64, candidates: Vec<Candidate>) -> Result<Vec<Screened>> {
+        let _guard = tch::no_grad_guard();
+        let own_delta: Vec<Tensor> = self
+            .anchor
+            .iter()
+            .zip(self.trainer.parameters())
+            .map(|(a, x)| a - x)
+            .collect();
+        let own_distance = sum_double(own_delta.iter().map(|d| d.square())).sqrt();
+        let mut measured = Vec::with_capacity(candidates.len());
+        for candidate in &candidates {
+            measured.push(self.measure(&candidate.tensors, &own_delta, own_distance));
+        }
+        let stats: Vec<PayloadStats> = measured
+            .iter()
+            .filter_map(|m| m.as_ref().ok().cloned())
+            .collect();
+        let mut judged = self.gate.judge_round(own_distance, &stats).into_iter();
+        let screened = candidates
+            .into_iter()
+            .zip(measured)
+            .map(|(candidate, measured)| {
+                let verdict = match measured {
+                    Ok(_) => judged.next().expect("one verdict per measured payload"),
+                    Err(refusal) => Err(refusal),
+                };
+                if let Err(refusal) = &verdict {
+                    tracing::warn!(round, peer = %candidate.peer, %refusal, "payload refused");
+                }
+                Screened { candidate, verdict }
+            })
+            .collect();
+        Ok(screened)
+    }
+
+    /// One received model's numbers for the gate, or a refusal when it cannot be read.
+    fn measure(
+        &self,
+        set: &TensorSet,
+        own_delta: &[Tensor],
+        own_distance: f64,
+    ) -> Result<PayloadStats, Refusal> {
+        let device = self.trainer.device();
+        let (mut squared, mut dot) = (0.0, 0.0);
+        let mut non_finite = None;
+        for ((wire, shape), (anchor, own)) in set
+            .tensors
+            .iter()
+            .zip(&self.shapes)
+            .zip(self.anchor.iter().zip(own_delta))
+        {
+            let malformed = |e: anyhow::Error| Refusal::Malformed {
+                tensor: wire.name.clone(),
+                detail: format!("{e:#}"),
+            };
+            let x = from_wire(wire, shape, device).map_err(malformed)?;
+            let finite = x
+                .isfinite()
+                .all()
+                .f_int64_value(&[])
+                .map_err(|e| malformed(e.into()))?;
+            if finite == 0 && non_finite.is_none() {
+                non_finite = Some(wire.name.clone());
+            }
+            let d = anchor - &x;
+            squared += d.square().sum(Kind::Double).double_value(&[]);
+            dot += (&d * own).sum(Kind::Double).double_value(&[]);
+        }
+        let distance = squared.sqrt();
+        let cosine =
+            (distance > 0.0 && own_distance > 0.0).then(|| dot / (distance * own_distance));
+        Ok(PayloadStats {
+            non_finite,
+            distance,
+            cosine,
+        })
     }
 
     fn finish(&mut self, received: Received) -> Result<Finished> {
@@ -449,6 +543,16 @@ impl RoundTrainer {
         };
         let anchor = decode(0..n)?;
         let momentum = decode(n..2 * n)?;
+        // A state with a NaN or an infinity would poison every step after it: refused
+        // before it touches the model.
+        for (t, wire) in anchor.iter().chain(&momentum).zip(&state.tensors) {
+            if t.isfinite().all().int64_value(&[]) == 0 {
+                bail!(
+                    "the synced state's tensor {} holds a NaN or an infinity: refused",
+                    wire.name
+                );
+            }
+        }
         let _guard = tch::no_grad_guard();
         for (a, v) in self.anchor.iter_mut().zip(&anchor) {
             a.copy_(v);
@@ -541,6 +645,11 @@ fn from_wire(t: &WireTensor, shape: &[i64], device: Device) -> Result<Tensor> {
     Ok(Tensor::f_from_data_size(&t.data, shape, kind)?
         .to_kind(Kind::Float)
         .to_device(device))
+}
+
+/// Σ of each tensor's elements, in double precision.
+fn sum_double(tensors: impl Iterator<Item = Tensor>) -> f64 {
+    tensors.map(|t| t.sum(Kind::Double).double_value(&[])).sum()
 }
 
 /// The wire description of one libtorch tensor of `shape`.

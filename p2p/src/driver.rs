@@ -19,10 +19,12 @@ use crate::round_machine::{Input, MachineConfig, Outcome, Output, RoundMachine, 
 use crate::schedule::{RoundSchedule, Timing};
 use crate::tensors::TensorSet;
 use crate::work::{
-    Arrived, Finished, Received, RoundWork, TrainDeadline, TrainOrder, Trained, WorkFuture,
+    Arrived, Candidate, Finished, Received, RoundWork, Screened, TrainDeadline, TrainOrder,
+    Trained, WorkFuture,
 };
 use gasloc_proto::wire::{control_message::Body, ControlMessage, PayloadKind};
 use gasloc_status::{NodeState, NodeStatus};
+use libp2p::PeerId;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use std::sync::Arc;
@@ -130,6 +132,7 @@ impl RoundDriver {
         let mut arrived: ExchangeResults = Vec::new();
         let mut training: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Trained)>> = None;
         let mut exchange: Option<JoinHandle<(u64, ExchangeResults)>> = None;
+        let mut screening: Option<WorkFuture<Gated>> = None;
         let mut finishing: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Finished)>> = None;
         let mut records = Vec::new();
         let mut stopping = false;
@@ -269,9 +272,23 @@ impl RoundDriver {
                 done = join_opt(&mut exchange) => {
                     exchange = None;
                     let (round, results) = done.expect("exchange task does not panic");
-                    let outcomes = results.iter().map(|(peer, r)| (*peer, outcome_of(r))).collect();
-                    arrived = results;
-                    Input::Exchanged { round, outcomes }
+                    // What arrived goes through the payload gate before the machine hears
+                    // of it: a refused payload is mixed as missing.
+                    screening = Some(screen(self.work.as_mut(), round, results));
+                    continue;
+                }
+                done = work_opt(&mut screening) => {
+                    screening = None;
+                    match done {
+                        Ok((round, results, outcomes)) => {
+                            arrived = results;
+                            Input::Exchanged { round, outcomes }
+                        }
+                        Err(e) => {
+                            outcome = Err(e.context("the payload gate failed"));
+                            break;
+                        }
+                    }
                 }
                 done = work_opt(&mut finishing) => {
                     finishing = None;
@@ -397,7 +414,73 @@ fn outcome_of(
             bytes: swapped.tensors.byte_length(),
             transfer: swapped.transfer,
         },
-        Err(e) if e.refusal().is_some() => Outcome::Refused(e.to_string()),
-        Err(e) => Outcome::Failed(e.to_string()),
+        Err(e) => match e.refusal_kind() {
+            Some(kind) => Outcome::Refused {
+                kind: kind.into(),
+                reason: e.to_string(),
+            },
+            None => Outcome::Failed(e.to_string()),
+        },
     }
+}
+
+/// A round's exchange results after the payload gate (refused payloads taken out), with
+/// each neighbour's outcome.
+type Gated = (u64, ExchangeResults, Vec<(PeerId, Outcome)>);
+
+/// Passes the payloads that came through the exchange to the work's payload gate and
+/// returns the results with every refused payload taken out, and each neighbour's outcome.
+/// The tensors move to the gate and back, uncopied.
+fn screen(work: &mut dyn RoundWork, round: u64, mut results: ExchangeResults) -> WorkFuture<Gated> {
+    let candidates: Vec<Candidate> = results
+        .iter_mut()
+        .filter_map(|(peer, result)| {
+            let swapped = result.as_mut().ok()?;
+            Some(Candidate {
+                peer: *peer,
+                tensors: std::mem::take(&mut swapped.tensors),
+            })
+        })
+        .collect();
+    let screened = work.screen(round, candidates);
+    Box::pin(async move {
+        let mut outcomes: Vec<(PeerId, Outcome)> = Vec::with_capacity(results.len());
+        let mut verdicts = screened.await?;
+        for (peer, result) in results.iter_mut() {
+            let Ok(swapped) = result else {
+                outcomes.push((*peer, outcome_of(result)));
+                continue;
+            };
+            let Some(at) = verdicts.iter().position(|s| s.candidate.peer == *peer) else {
+                // The gate gave no verdict: nothing about the payload is known to be good.
+                outcomes.push((
+                    *peer,
+                    Outcome::Failed("the payload gate gave no verdict".into()),
+                ));
+                *result = Err(ExchangeError::Cancelled(
+                    "no verdict of the payload gate".into(),
+                ));
+                continue;
+            };
+            let Screened { candidate, verdict } = verdicts.swap_remove(at);
+            match verdict {
+                Ok(()) => {
+                    swapped.tensors = candidate.tensors;
+                    outcomes.push((*peer, outcome_of(result)));
+                }
+                Err(refusal) => {
+                    tracing::warn!(round, %peer, reason = %refusal, "payload refused");
+                    outcomes.push((
+                        *peer,
+                        Outcome::Refused {
+                            kind: refusal.kind().into(),
+                            reason: refusal.to_string(),
+                        },
+                    ));
+                    *result = Err(ExchangeError::Cancelled(refusal.to_string()));
+                }
+            }
+        }
+        Ok((round, results, outcomes))
+    })
 }

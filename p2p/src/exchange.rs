@@ -80,9 +80,9 @@ impl ExchangeError {
         }
     }
 
-    /// The refusal a receiver sends back for this error, if it is the sender's fault.
-    pub fn refusal(&self) -> Option<Refusal> {
-        let reason = match self {
+    /// Why a receiver refuses the stream for this error, if it is the sender's fault.
+    fn refusal_reason(&self) -> Option<RefusalReason> {
+        Some(match self {
             ExchangeError::WrongRun { .. } => RefusalReason::WrongRun,
             ExchangeError::OldRound { .. } => RefusalReason::OldRound,
             ExchangeError::FutureRound { .. } => RefusalReason::FutureRound,
@@ -94,10 +94,30 @@ impl ExchangeError {
             | ExchangeError::Malformed { .. } => RefusalReason::TableMismatch,
             ExchangeError::TooLarge { .. } => RefusalReason::TooLarge,
             _ => return None,
-        };
+        })
+    }
+
+    /// The refusal a receiver sends back for this error, if it is the sender's fault.
+    pub fn refusal(&self) -> Option<Refusal> {
         Some(Refusal {
-            reason: reason as i32,
+            reason: self.refusal_reason()? as i32,
             message: self.to_string(),
+        })
+    }
+
+    /// The short name of the refusal for this error (`table_mismatch`, …), if it is the
+    /// sender's fault: how `/status` and `/metrics` count refused payloads.
+    pub fn refusal_kind(&self) -> Option<&'static str> {
+        Some(match self.refusal_reason()? {
+            RefusalReason::Unspecified => "unspecified",
+            RefusalReason::WrongRun => "wrong_run",
+            RefusalReason::OldRound => "old_round",
+            RefusalReason::FutureRound => "future_round",
+            RefusalReason::NotANeighbour => "not_a_neighbour",
+            RefusalReason::TableMismatch => "table_mismatch",
+            RefusalReason::TooLarge => "too_large",
+            RefusalReason::Busy => "busy",
+            RefusalReason::NoState => "no_state",
         })
     }
 }

@@ -15,7 +15,8 @@
 //!   `gasloc-node join` and [`local_swarm`] (many nodes in one process) both start it.
 //! - [`swarm_sim`]: many round machines in one process over a simulated network (no I/O).
 
-/// Peer ids, as every crate of gasloc names nodes.
+/// Peer ids (as every crate of gasloc names nodes), addresses and node keys.
+pub use libp2p::identity::Keypair;
 pub use libp2p::{Multiaddr, PeerId};
 
 pub mod config;

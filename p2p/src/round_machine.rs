@@ -37,6 +37,7 @@ use crate::schedule::{Action, RoundPlan, RoundSchedule, Timing};
 use gasloc_proto::pace::MovingAverage;
 use gasloc_proto::topology::{MixingRow, Topology};
 use gasloc_proto::wire::{control_message::Body, Announce, Commit, ControlMessage, Reveal};
+use gasloc_status::RefusedPayload;
 pub use gasloc_status::RoundRecord;
 use libp2p::PeerId;
 use rand::rngs::StdRng;
@@ -92,8 +93,9 @@ pub enum Outcome {
     /// Its payload arrived and passed every check: `bytes` received, `transfer` from both
     /// sides ready to done.
     Swapped { bytes: u64, transfer: Duration },
-    /// Its payload arrived and this node refused it (it failed a check).
-    Refused(String),
+    /// Its payload arrived and this node refused it: it failed a check of the exchange or
+    /// of the payload gate. `kind` names the check (`too_far`, `table_mismatch`, …).
+    Refused { kind: String, reason: String },
     /// No payload: a timeout, a lost stream, or the peer refused this node's.
     Failed(String),
 }
@@ -659,7 +661,11 @@ impl RoundMachine {
                     transfer = transfer.max(*t);
                     exchanged.push(peer.to_string());
                 }
-                Outcome::Refused(why) => refused.push((peer.to_string(), why.clone())),
+                Outcome::Refused { kind, reason } => refused.push(RefusedPayload {
+                    peer: peer.to_string(),
+                    kind: kind.clone(),
+                    reason: reason.clone(),
+                }),
                 Outcome::Failed(why) => failed.push((peer.to_string(), why.clone())),
             }
         }
@@ -993,7 +999,13 @@ mod tests {
             0,
             Input::Exchanged {
                 round: 1,
-                outcomes: vec![(neighbours[0], Outcome::Refused("checksum".into()))],
+                outcomes: vec![(
+                    neighbours[0],
+                    Outcome::Refused {
+                        kind: "too_far".into(),
+                        reason: "gate: too_far".into(),
+                    },
+                )],
             },
             start(1) + 5500,
         );
@@ -1011,7 +1023,11 @@ mod tests {
         let record = record_of(&out).unwrap();
         assert_eq!(
             record.refused,
-            vec![(neighbours[0].to_string(), "checksum".into())]
+            vec![RefusedPayload {
+                peer: neighbours[0].to_string(),
+                kind: "too_far".into(),
+                reason: "gate: too_far".into(),
+            }]
         );
         assert_eq!(record.failed.len(), 1, "no outcome counts as failed");
         assert_eq!(record.mixing, vec![(peer(0).to_string(), 1.0)]);

@@ -13,6 +13,7 @@
 //! [`SyntheticTrainer`]: crate::synthetic::SyntheticTrainer
 
 use crate::tensors::{TensorSet, TensorSpec};
+use gasloc_proto::gate::Refusal;
 use gasloc_proto::topology::MixingRow;
 use libp2p::PeerId;
 use std::future::Future;
@@ -95,6 +96,21 @@ pub struct Arrived {
     pub tensors: TensorSet,
 }
 
+/// A neighbour's payload that passed the exchange's checks, on its way through the
+/// payload gate ([`RoundWork::screen`]).
+#[derive(Debug, Clone)]
+pub struct Candidate {
+    pub peer: PeerId,
+    pub tensors: TensorSet,
+}
+
+/// The gate's verdict on a [`Candidate`], which it hands back (moved, not copied).
+#[derive(Debug, Clone)]
+pub struct Screened {
+    pub candidate: Candidate,
+    pub verdict: Result<(), Refusal>,
+}
+
 /// The state after the round's outer step.
 #[derive(Debug, Clone)]
 pub struct Finished {
@@ -113,6 +129,23 @@ pub trait RoundWork: Send + Sync {
     fn state_table(&self) -> Vec<TensorSpec>;
     /// Runs the round's inner steps.
     fn train(&mut self, order: TrainOrder) -> WorkFuture<Trained>;
+    /// The payload gate (`gasloc_proto::gate`): checks the values of the round's payloads
+    /// that passed the exchange, before any is mixed, and returns one verdict per
+    /// candidate. A refused payload is mixed as missing. Called once per round, after the
+    /// exchange and before [`Self::finish`]. The default accepts every payload: for a
+    /// trainer whose payload is no model (the synthetic trainer's random bytes).
+    fn screen(&mut self, round: u64, candidates: Vec<Candidate>) -> WorkFuture<Vec<Screened>> {
+        let _ = round;
+        Box::pin(async move {
+            Ok(candidates
+                .into_iter()
+                .map(|candidate| Screened {
+                    candidate,
+                    verdict: Ok(()),
+                })
+                .collect())
+        })
+    }
     /// Mixes this node's model with what arrived and applies the outer step.
     fn finish(&mut self, received: Received) -> WorkFuture<Finished>;
     /// Replaces the state with one fetched from a live peer (late join); `round` is the

@@ -3,11 +3,13 @@
 //! * [`manifest`]: the run manifest;
 //! * [`run_id`]: the run id ([`RunId`]: 32 bytes, 64 hex digits to people);
 //! * [`topology`]: round permutations, communication graphs and mixing weights;
-//! * [`pace`]: the adaptive H_i rule and the moving averages it rests on.
+//! * [`pace`]: the adaptive H_i rule and the moving averages it rests on;
+//! * [`gate`]: the payload gate, whether a neighbour's model may be mixed.
 //!
 //! Nothing here depends on libtorch, so the bootstrap node builds without it.
 //! `wire` holds the protobuf messages specified by `proto/gasloc.proto`.
 
+pub mod gate;
 pub mod manifest;
 pub mod pace;
 pub mod run_id;

@@ -199,6 +199,45 @@ pub struct OptimizerConfig {
     pub grad_clip: f64,
 }
 
+/// `[gate]`: the bounds of the payload gate (`gate.rs`), the values check of every model a
+/// neighbour sends before it is mixed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GateConfig {
+    /// k: a received model may lie at most k times the reference distance from this node's
+    /// anchor (the reference: the larger of this node's own pseudo-gradient norm and the
+    /// median of the distances it accepted lately).
+    #[serde(default = "default_max_distance_ratio")]
+    pub max_distance_ratio: f64,
+    /// Accepted distances the median runs over.
+    #[serde(default = "default_median_window")]
+    pub median_window: u64,
+    /// The least cosine between a neighbour's and this node's pseudo-gradient; −1 turns the
+    /// check off.
+    #[serde(default = "default_min_cosine")]
+    pub min_cosine: f64,
+}
+
+impl Default for GateConfig {
+    fn default() -> Self {
+        GateConfig {
+            max_distance_ratio: default_max_distance_ratio(),
+            median_window: default_median_window(),
+            min_cosine: default_min_cosine(),
+        }
+    }
+}
+
+fn default_max_distance_ratio() -> f64 {
+    10.0
+}
+fn default_median_window() -> u64 {
+    32
+}
+fn default_min_cosine() -> f64 {
+    -1.0
+}
+
 /// Validation during training.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -447,6 +486,8 @@ struct ManifestFile {
     outer: OuterSection,
     #[serde(default)]
     lordo: LordoConfig,
+    #[serde(default)]
+    gate: GateConfig,
 }
 
 /// A resolved, validated run manifest.
@@ -461,6 +502,7 @@ pub struct RunManifest {
     pub eval: EvalConfig,
     pub outer: OuterConfig,
     pub lordo: LordoConfig,
+    pub gate: GateConfig,
 }
 
 impl RunManifest {
@@ -495,6 +537,7 @@ impl RunManifest {
             eval: file.eval,
             outer,
             lordo: file.lordo,
+            gate: file.gate,
         };
         manifest.validate().map_err(|(k, m)| invalid(k, m))?;
         Ok(manifest)
@@ -629,7 +672,28 @@ impl RunManifest {
         if self.eval.interval == 0 {
             return Err(("eval.interval", "must be at least 1".into()));
         }
-        self.validate_outer()
+        self.validate_outer()?;
+        self.validate_gate()
+    }
+
+    fn validate_gate(&self) -> Result<(), (&'static str, String)> {
+        let g = &self.gate;
+        if !(g.max_distance_ratio.is_finite() && g.max_distance_ratio >= 1.0) {
+            return Err((
+                "gate.max_distance_ratio",
+                format!("= {} must be a number ≥ 1", g.max_distance_ratio),
+            ));
+        }
+        if g.median_window == 0 {
+            return Err(("gate.median_window", "must be at least 1".into()));
+        }
+        if !(-1.0..=1.0).contains(&g.min_cosine) {
+            return Err((
+                "gate.min_cosine",
+                format!("= {} must lie in [-1, 1] (-1: off)", g.min_cosine),
+            ));
+        }
+        Ok(())
     }
 
     fn validate_outer(&self) -> Result<(), (&'static str, String)> {
@@ -883,5 +947,28 @@ decay_steps = 100
         assert!(lordo("omega = 0.0").contains("lordo.omega"));
         assert!(lordo("omega = 1.5").contains("lordo.omega"));
         assert!(lordo("full_sync_every = 0").contains("lordo.full_sync_every"));
+    }
+
+    #[test]
+    fn gate_defaults_and_bad_bounds_name_the_key() {
+        let m = RunManifest::parse(TINY, "x").unwrap();
+        assert_eq!(m.gate, GateConfig::default());
+        let strict = RunManifest::parse(&format!("{TINY}[gate]\nmin_cosine = 0.0\n"), "x").unwrap();
+        assert_eq!(strict.gate.min_cosine, 0.0);
+        assert_ne!(
+            strict.run_id(),
+            m.run_id(),
+            "the gate's bounds are part of the run id"
+        );
+        let gate = |body: &str| {
+            RunManifest::parse(&format!("{TINY}[gate]\n{body}\n"), "x")
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(gate("max_distance_ratio = 0.5").contains("gate.max_distance_ratio"));
+        assert!(gate("max_distance_ratio = inf").contains("gate.max_distance_ratio"));
+        assert!(gate("median_window = 0").contains("gate.median_window"));
+        assert!(gate("min_cosine = 1.5").contains("gate.min_cosine"));
+        assert!(gate("max_ratio = 3.0").contains("max_ratio"));
     }
 }

@@ -13,4 +13,6 @@ pub mod snapshot;
 
 pub use metrics::{BootstrapMetrics, NodeMetrics};
 pub use server::StatusServer;
-pub use snapshot::{BootstrapStatus, NodeState, NodeStatus, Reachability, RoundRecord};
+pub use snapshot::{
+    BootstrapStatus, NodeState, NodeStatus, Reachability, RefusedPayload, RoundRecord,
+};

@@ -19,6 +19,12 @@ pub struct PeerLabel {
     pub peer: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabel {
+    pub peer: String,
+    pub reason: String,
+}
+
 /// gasloc's own metrics, all prefixed `gasloc_`.
 #[derive(Clone, Default)]
 pub struct NodeMetrics {
@@ -34,6 +40,7 @@ pub struct NodeMetrics {
     rounds: Counter,
     goodput: Family<PeerLabel, FloatGauge>,
     wait_ms: Counter,
+    refused: Family<RefusalLabel, Counter>,
 }
 
 impl NodeMetrics {
@@ -77,6 +84,11 @@ impl NodeMetrics {
             "Time spent waiting for neighbours",
             m.wait_ms.clone(),
         );
+        r.register(
+            "refused_payloads",
+            "Neighbour payloads refused, per peer and reason",
+            m.refused.clone(),
+        );
         m
     }
 
@@ -96,6 +108,15 @@ impl NodeMetrics {
             s.history.back().map(|r| r.round + 1).unwrap_or(0),
         );
         advance(&self.wait_ms, (s.wait_s * 1000.0) as u64);
+        for (peer, kinds) in &s.refusals {
+            for (kind, count) in kinds {
+                let label = RefusalLabel {
+                    peer: peer.clone(),
+                    reason: kind.clone(),
+                };
+                advance(&self.refused.get_or_create(&label), *count);
+            }
+        }
         for (peer, rate) in &s.goodput {
             self.goodput
                 .get_or_create(&PeerLabel { peer: peer.clone() })

@@ -95,8 +95,9 @@ pub struct RoundRecord {
     pub neighbours: Vec<String>,
     /// Neighbours whose payload arrived and passed every check.
     pub exchanged: Vec<String>,
-    /// Neighbours whose payload arrived and was refused, with the reason.
-    pub refused: Vec<(String, String)>,
+    /// Neighbours whose payload arrived and was refused: by the exchange's checks (framing,
+    /// table, checksums) or by the payload gate (its values).
+    pub refused: Vec<RefusedPayload>,
     /// Neighbours that failed, with the reason.
     pub failed: Vec<(String, String)>,
     /// The weights applied, `(peer, weight)`, this node first: the round topology's row
@@ -144,6 +145,17 @@ pub struct RoundRecord {
     pub hole_punches: u64,
 }
 
+/// A neighbour's payload this node turned down, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct RefusedPayload {
+    pub peer: String,
+    /// The reason's short name: `non_finite`, `too_far` or `misaligned` (the payload
+    /// gate), or the exchange's (`table_mismatch`, `not_a_neighbour`, `too_large`, …).
+    pub kind: String,
+    /// The whole reason, with its numbers.
+    pub reason: String,
+}
+
 /// The node's state as `/status` serves it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
 pub struct NodeStatus {
@@ -174,6 +186,8 @@ pub struct NodeStatus {
     pub reachability: Reachability,
     /// Relayed connections DCUtR turned into direct ones (hole punches) since the start.
     pub hole_punches: u64,
+    /// Payloads refused since the start, per peer and reason kind.
+    pub refusals: BTreeMap<String, BTreeMap<String, u64>>,
     /// Recent rounds, oldest first, at most [`HISTORY_ROUNDS`].
     pub history: VecDeque<RoundRecord>,
 }
@@ -185,6 +199,14 @@ impl NodeStatus {
         self.bytes_sent += record.bytes_sent;
         self.bytes_received += record.bytes_received;
         self.wait_s += record.wait_s;
+        for refused in &record.refused {
+            *self
+                .refusals
+                .entry(refused.peer.clone())
+                .or_default()
+                .entry(refused.kind.clone())
+                .or_default() += 1;
+        }
         if record.train_loss.is_some() {
             self.train_loss = record.train_loss;
         }
@@ -238,6 +260,11 @@ mod tests {
                 train_loss: Some(3.0),
                 // The round machine's whole record is kept, not a summary of it.
                 failed: vec![("12D3KooWPeerB".into(), "exchange timed out".into())],
+                refused: vec![RefusedPayload {
+                    peer: "12D3KooWPeerD".into(),
+                    kind: "too_far".into(),
+                    reason: "gate: too_far: …".into(),
+                }],
                 mixing: vec![
                     ("12D3KooWPeerA".into(), 2.0 / 3.0),
                     ("12D3KooWPeerC".into(), 1.0 / 3.0),
@@ -251,6 +278,11 @@ mod tests {
         assert_eq!(s.bytes_sent, 10 * (HISTORY_ROUNDS as u64 + 5));
         assert!((s.idle_share() - 0.25).abs() < 1e-12);
         assert_eq!(s.train_loss, Some(3.0));
+        assert_eq!(
+            s.refusals["12D3KooWPeerD"]["too_far"],
+            HISTORY_ROUNDS as u64 + 5,
+            "refusals count every round, not only those in the history"
+        );
         s.reachability = Reachability::Private;
         let json = serde_json::to_string(&s).unwrap();
         assert!(json.contains(r#""reachability":"private""#), "{json}");

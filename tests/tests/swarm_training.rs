@@ -153,6 +153,13 @@ fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
     }
 
     let reports: Vec<Vec<Value>> = (1..=5).map(|i| read_report(&home(i))).collect();
+    // The payload gate refused no honest model: not the slow node's, not the late joiner's,
+    // not that of node 4 resumed from an older checkpoint.
+    for (i, records) in reports.iter().enumerate() {
+        for r in records {
+            assert_eq!(r["refused"], serde_json::json!([]), "node{}: {r}", i + 1);
+        }
+    }
     // Nodes 1–3 completed nearly every round from their first to their last, through the
     // kill (a round may be missed when a partner's slow link is met for the first time).
     for (i, records) in reports.iter().enumerate().take(3) {

@@ -150,6 +150,11 @@ fn four_nodes_on_a_two_peer_ring_learn_and_other_runs_are_refused() {
         for r in &records {
             assert_eq!(r["inner_steps"], 25, "node{i}: fixed H");
             assert_eq!(r["neighbours"].as_array().unwrap().len(), 2, "node{i}: {r}");
+            assert_eq!(
+                r["refused"],
+                serde_json::json!([]),
+                "node{i}: the gate refused an honest model: {r}"
+            );
             let weights: Vec<f64> = r["mixing"]
                 .as_array()
                 .unwrap()

@@ -1,0 +1,170 @@
+//! The payload gate on real models: two libtorch volunteers train a round from the same seed
+//! anchor, and one screens what the other "sent" — honest, with a NaN, with one tensor scaled
+//! ×1000 (the attack that destroyed a demo run), and with its pseudo-gradient sign-flipped.
+
+mod common;
+
+use common::{byte_data, write_manifest, TINY_RUN};
+use gasloc_data::shards::TokenDataset;
+use gasloc_data::stream::WorkerSlot;
+use gasloc_node::trainer::Trainer;
+use gasloc_node::volunteer::{Volunteer, VolunteerOptions};
+use gasloc_p2p::network::unix_ms;
+use gasloc_p2p::tensors::TensorSet;
+use gasloc_p2p::work::{Candidate, RoundWork, TrainDeadline, TrainOrder};
+use gasloc_p2p::PeerId;
+use gasloc_proto::wire::DType;
+use std::path::Path;
+use std::sync::Arc;
+
+/// libtorch's seed is process-global: volunteers started by tests running at once would
+/// not all begin from the run's seed anchor (in a node there is one volunteer a process).
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn run_text(gate: &str) -> String {
+    format!("{TINY_RUN}\n[outer]\ntopology = \"two-peer\"\ninner_steps = 4\n{gate}")
+}
+
+fn volunteer(dir: &Path, name: &str, gate: &str) -> Volunteer {
+    let home = dir.join(name);
+    std::fs::create_dir_all(&home).unwrap();
+    let (_, manifest) = write_manifest(&home, &run_text(gate));
+    Volunteer::start(VolunteerOptions {
+        manifest,
+        device: tch::Device::Cpu,
+        data: byte_data(&home),
+        checkpoints: home.join("checkpoints"),
+        checkpoint_every: 0,
+        keep_checkpoints: 1,
+        eval_every: 0,
+        threads: 1,
+        peer: PeerId::random(),
+    })
+    .unwrap()
+}
+
+async fn train(v: &mut Volunteer) -> TensorSet {
+    let order = TrainOrder {
+        round: 0,
+        deadline: TrainDeadline::new(unix_ms() + 60_000),
+    };
+    v.train(order).await.unwrap().payload
+}
+
+fn floats(set: &TensorSet, name: &str) -> Vec<f32> {
+    let t = set.tensors.iter().find(|t| t.name == name).unwrap();
+    assert_eq!(t.dtype, DType::F32);
+    t.data
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}
+
+fn with_floats(set: &TensorSet, name: &str, f: impl Fn(usize, f32) -> f32) -> TensorSet {
+    let mut set = set.clone();
+    let t = set.tensors.iter_mut().find(|t| t.name == name).unwrap();
+    let values: Vec<f32> = floats(&TensorSet::new(vec![t.clone()]), name);
+    t.data = values
+        .iter()
+        .enumerate()
+        .flat_map(|(i, v)| f(i, *v).to_le_bytes())
+        .collect();
+    set
+}
+
+/// Screens `sent` by `receiver` and returns each verdict's kind (`ok` when accepted).
+async fn verdicts(receiver: &mut Volunteer, sent: Vec<TensorSet>) -> Vec<String> {
+    let candidates = sent
+        .into_iter()
+        .map(|tensors| Candidate {
+            peer: PeerId::random(),
+            tensors,
+        })
+        .collect();
+    receiver
+        .screen(0, candidates)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| match s.verdict {
+            Ok(()) => "ok".to_string(),
+            Err(refusal) => refusal.kind().to_string(),
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gate_takes_an_honest_model_and_refuses_poisoned_ones_by_name() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut a = volunteer(dir.path(), "a", "");
+    let mut b = volunteer(dir.path(), "b", "");
+    let _ = train(&mut a).await;
+    let honest = train(&mut b).await;
+
+    let nan = with_floats(&honest, "model.norm.weight", |i, v| {
+        if i == 3 {
+            f32::NAN
+        } else {
+            v
+        }
+    });
+    let scaled = with_floats(&honest, "model.norm.weight", |_, v| v * 1000.0);
+    let got = verdicts(&mut a, vec![honest.clone(), nan, scaled]).await;
+    assert_eq!(got, ["ok", "non_finite", "too_far"]);
+    // The refusal names what it found.
+    let candidates = vec![Candidate {
+        peer: PeerId::random(),
+        tensors: with_floats(&honest, "lm_head.weight", |_, _| f32::INFINITY),
+    }];
+    let screened = a.screen(0, candidates).await.unwrap();
+    let reason = screened[0].verdict.as_ref().unwrap_err().to_string();
+    assert!(reason.contains("lm_head.weight"), "{reason}");
+    // A refused candidate's tensors come back untouched.
+    assert_eq!(
+        floats(&screened[0].candidate.tensors, "lm_head.weight")[0],
+        f32::INFINITY
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sign_flipped_pseudo_gradient_passes_the_default_gate_and_not_a_cosine_floor() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut lenient = volunteer(dir.path(), "lenient", "");
+    let mut strict = volunteer(dir.path(), "strict", "[gate]\nmin_cosine = 0.0\n");
+    let mut sender = volunteer(dir.path(), "sender", "");
+    // Every volunteer starts from the run's seed anchor θ: flipping the sender's
+    // pseudo-gradient θ − x gives 2θ − x, of the same norm.
+    let (_, manifest) = write_manifest(dir.path(), &run_text(""));
+    let data = TokenDataset::open(&byte_data(dir.path()), 256).unwrap();
+    let seed = Trainer::new(
+        &manifest,
+        tch::Device::Cpu,
+        Arc::new(data),
+        WorkerSlot { index: 0, count: 1 },
+    )
+    .unwrap();
+    let anchor: Vec<Vec<f32>> = seed
+        .parameters()
+        .iter()
+        .map(|t| Vec::<f32>::try_from(t.flatten(0, -1)).unwrap())
+        .collect();
+    let _ = train(&mut lenient).await;
+    let _ = train(&mut strict).await;
+    let honest = train(&mut sender).await;
+    let mut flipped = honest.clone();
+    for (t, th) in flipped.tensors.iter_mut().zip(&anchor) {
+        let x = floats(&TensorSet::new(vec![t.clone()]), &t.name);
+        t.data = x
+            .iter()
+            .zip(th.iter())
+            .flat_map(|(x, th)| (2.0 * th - x).to_le_bytes())
+            .collect();
+    }
+    assert_eq!(anchor.len(), flipped.tensors.len());
+    let got = verdicts(&mut lenient, vec![honest.clone(), flipped.clone()]).await;
+    assert_eq!(got, ["ok", "ok"], "min_cosine = -1 (the default) is off");
+    let got = verdicts(&mut strict, vec![honest, flipped]).await;
+    assert_eq!(got, ["ok", "misaligned"]);
+}
