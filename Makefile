@@ -78,6 +78,7 @@ bench: setup
 	bench/control_plane_scale
 	bench/round_scale
 	bash bench/straggler.sh target/release $(DATA)/shakespeare-byte
+	bash bench/gate_cost.sh target/release $(DATA)/shakespeare-byte
 
 clean:
 	cargo clean

@@ -390,7 +390,11 @@ impl RoundTrainer {
             .zip(self.trainer.parameters())
             .map(|(a, x)| a - x)
             .collect();
-        let own_distance = sum_double(own_delta.iter().map(|d| d.square())).sqrt();
+        let own_distance = own_delta
+            .iter()
+            .map(|d| d.norm().double_value(&[]).powi(2))
+            .sum::<f64>()
+            .sqrt();
         let mut measured = Vec::with_capacity(candidates.len());
         for candidate in &candidates {
             measured.push(self.measure(&candidate.tensors, &own_delta, own_distance));
@@ -437,18 +441,27 @@ impl RoundTrainer {
                 tensor: wire.name.clone(),
                 detail: format!("{e:#}"),
             };
-            let x = from_wire(wire, shape, device).map_err(malformed)?;
-            let finite = x
-                .isfinite()
-                .all()
-                .f_int64_value(&[])
-                .map_err(|e| malformed(e.into()))?;
-            if finite == 0 && non_finite.is_none() {
-                non_finite = Some(wire.name.clone());
+            // `θ_i − x_j`, made in the decoded tensor's own buffer, then two passes over it:
+            // its norm and its dot product with the own pseudo-gradient (fp32, libtorch's
+            // pairwise sums). A NaN or an infinity makes the norm non-finite, and only then
+            // are the values looked at (a difference that overflows fp32 counts as one); a
+            // norm that overflows from finite values is too far.
+            let mut d = from_wire(wire, shape, device).map_err(malformed)?;
+            let _ = d.neg_().g_add_(anchor);
+            let d = d.flatten(0, -1);
+            let norm = d.norm().double_value(&[]);
+            if !norm.is_finite() && non_finite.is_none() {
+                let finite = d
+                    .isfinite()
+                    .all()
+                    .f_int64_value(&[])
+                    .map_err(|e| malformed(e.into()))?;
+                if finite == 0 {
+                    non_finite = Some(wire.name.clone());
+                }
             }
-            let d = anchor - &x;
-            squared += d.square().sum(Kind::Double).double_value(&[]);
-            dot += (&d * own).sum(Kind::Double).double_value(&[]);
+            squared += norm * norm;
+            dot += d.dot(&own.flatten(0, -1)).double_value(&[]);
         }
         let distance = squared.sqrt();
         let cosine =
@@ -645,11 +658,6 @@ fn from_wire(t: &WireTensor, shape: &[i64], device: Device) -> Result<Tensor> {
     Ok(Tensor::f_from_data_size(&t.data, shape, kind)?
         .to_kind(Kind::Float)
         .to_device(device))
-}
-
-/// Σ of each tensor's elements, in double precision.
-fn sum_double(tensors: impl Iterator<Item = Tensor>) -> f64 {
-    tensors.map(|t| t.sum(Kind::Double).double_value(&[])).sum()
 }
 
 /// The wire description of one libtorch tensor of `shape`.

@@ -133,6 +133,9 @@ impl RoundDriver {
         let mut training: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Trained)>> = None;
         let mut exchange: Option<JoinHandle<(u64, ExchangeResults)>> = None;
         let mut screening: Option<WorkFuture<Gated>> = None;
+        // When the round's payload gate started, and how long it took (for its record).
+        let mut gate_started = std::time::Instant::now();
+        let mut gate_took: Option<(u64, Duration)> = None;
         let mut finishing: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Finished)>> = None;
         let mut records = Vec::new();
         let mut stopping = false;
@@ -218,6 +221,11 @@ impl RoundDriver {
                             record.reachability = status.reachability;
                             record.hole_punches = status.hole_punches;
                         }
+                        if let Some((round, took)) = gate_took.take() {
+                            if round == record.round {
+                                record.gate_s = took.as_secs_f64();
+                            }
+                        }
                         self.publish_record(&record);
                         on_record(&record);
                         records.push(*record);
@@ -274,6 +282,7 @@ impl RoundDriver {
                     let (round, results) = done.expect("exchange task does not panic");
                     // What arrived goes through the payload gate before the machine hears
                     // of it: a refused payload is mixed as missing.
+                    gate_started = std::time::Instant::now();
                     screening = Some(screen(self.work.as_mut(), round, results));
                     continue;
                 }
@@ -281,6 +290,7 @@ impl RoundDriver {
                     screening = None;
                     match done {
                         Ok((round, results, outcomes)) => {
+                            gate_took = Some((round, gate_started.elapsed()));
                             arrived = results;
                             Input::Exchanged { round, outcomes }
                         }

@@ -701,6 +701,7 @@ impl RoundMachine {
             exchange_s: seconds(a.exchange_started_ms, a.exchange_done_ms),
             transfer_s: transfer.as_secs_f64(),
             wait_s: seconds(a.ready_at_ms, a.exchange_done_ms),
+            gate_s: 0.0,
             finish_s: seconds(a.exchange_done_ms, Some(now)),
             round_s: seconds(Some(a.started_ms), Some(now)),
             train_loss: a.train_loss,

@@ -120,6 +120,9 @@ pub struct RoundRecord {
     /// Seconds from "payload ready" until every neighbour's result was in (agreement and
     /// neighbours included).
     pub wait_s: f64,
+    /// Seconds the payload gate took to judge what arrived (the last part of `exchange_s`
+    /// and `wait_s`; filled in by the driver).
+    pub gate_s: f64,
     /// Seconds of the mixing and outer step.
     pub finish_s: f64,
     /// Seconds from the round start until its outer step was done.
