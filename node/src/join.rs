@@ -186,8 +186,11 @@ pub fn run(args: JoinArgs) -> Result<()> {
         true => None,
         false => Some(parse_device(&args.device)?),
     };
-    std::fs::create_dir_all(&args.home)
-        .with_context(|| format!("cannot create --home {}", args.home.display()))?;
+    // The home holds the default identity key and the libtorch trainer's checkpoints.
+    if args.identity.is_none() || !args.synthetic {
+        std::fs::create_dir_all(&args.home)
+            .with_context(|| format!("cannot create --home {}", args.home.display()))?;
+    }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -349,12 +352,13 @@ async fn make_trainer(
 pub fn summary_line(r: &RoundRecord) -> String {
     let loss = |l: Option<f64>| l.map_or("-".into(), |l| format!("{l:.4}"));
     format!(
-        "round={} members={} neighbours={} exchanged={} failed={} inner_steps={} \
+        "round={} members={} neighbours={} exchanged={} refused={} failed={} inner_steps={} \
          train_loss={} val_loss={} bytes_sent={} bytes_received={} wait_s={:.2} round_s={:.2}",
         r.round,
         r.members.len(),
         r.neighbours.len(),
         r.exchanged.len(),
+        r.refused.len(),
         r.failed.len(),
         r.inner_steps,
         loss(r.train_loss),

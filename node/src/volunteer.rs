@@ -87,7 +87,7 @@ pub struct Volunteer {
 
 enum Request {
     Train(TrainOrder, oneshot::Sender<Result<Trained>>),
-    Screen(u64, Vec<Candidate>, oneshot::Sender<Result<Vec<Screened>>>),
+    Screen(Vec<Candidate>, oneshot::Sender<Result<Vec<Screened>>>),
     Finish(Received, oneshot::Sender<Result<Finished>>),
     LoadState(u64, TensorSet, oneshot::Sender<Result<()>>),
     Close(oneshot::Sender<Result<()>>),
@@ -161,7 +161,8 @@ impl RoundWork for Volunteer {
         self.call(|reply| Request::Train(order, reply))
     }
     fn screen(&mut self, round: u64, candidates: Vec<Candidate>) -> WorkFuture<Vec<Screened>> {
-        self.call(|reply| Request::Screen(round, candidates, reply))
+        let _ = round; // the gate judges by numbers, not by round
+        self.call(|reply| Request::Screen(candidates, reply))
     }
     fn finish(&mut self, received: Received) -> WorkFuture<Finished> {
         self.call(|reply| Request::Finish(received, reply))
@@ -299,8 +300,8 @@ impl RoundTrainer {
                 Request::Train(order, reply) => {
                     let _ = reply.send(self.train(order));
                 }
-                Request::Screen(round, candidates, reply) => {
-                    let _ = reply.send(self.screen(round, candidates));
+                Request::Screen(candidates, reply) => {
+                    let _ = reply.send(self.screen(candidates));
                 }
                 Request::Finish(received, reply) => {
                     let _ = reply.send(self.finish(received));
@@ -382,7 +383,7 @@ impl RoundTrainer {
     /// The payload gate: measures each received model `x_j` against the anchor `θ_i` —
     /// finiteness, `‖θ_i − x_j‖`, and its cosine with this node's own pseudo-gradient
     /// `θ_i − x_i` — and lets [`PayloadGate`] judge (`gasloc_proto::gate`).
-    fn screen(&mut self, round: u64, candidates: Vec<Candidate>) -> Result<Vec<Screened>> {
+    fn screen(&mut self, candidates: Vec<Candidate>) -> Result<Vec<Screened>> {
         let _guard = tch::no_grad_guard();
         let own_delta: Vec<Tensor> = self
             .anchor
@@ -412,9 +413,6 @@ impl RoundTrainer {
                     Ok(_) => judged.next().expect("one verdict per measured payload"),
                     Err(refusal) => Err(refusal),
                 };
-                if let Err(refusal) = &verdict {
-                    tracing::warn!(round, peer = %candidate.peer, %refusal, "payload refused");
-                }
                 Screened { candidate, verdict }
             })
             .collect();

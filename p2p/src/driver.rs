@@ -428,6 +428,7 @@ fn outcome_of(
             Some(kind) => Outcome::Refused {
                 kind: kind.into(),
                 reason: e.to_string(),
+                bytes: 0,
             },
             None => Outcome::Failed(e.to_string()),
         },
@@ -479,12 +480,13 @@ fn screen(work: &mut dyn RoundWork, round: u64, mut results: ExchangeResults) ->
                     outcomes.push((*peer, outcome_of(result)));
                 }
                 Err(refusal) => {
-                    tracing::warn!(round, %peer, reason = %refusal, "payload refused");
+                    tracing::warn!(round, %peer, %refusal, "payload refused");
                     outcomes.push((
                         *peer,
                         Outcome::Refused {
                             kind: refusal.kind().into(),
                             reason: refusal.to_string(),
+                            bytes: candidate.tensors.byte_length(),
                         },
                     ));
                     *result = Err(ExchangeError::Cancelled(refusal.to_string()));

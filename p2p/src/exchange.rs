@@ -455,9 +455,21 @@ pub async fn read_checked_header<R: AsyncRead + Unpin>(
         }
         FirstFrame::Refusal(refusal) => Err(ExchangeError::Refused {
             reason: RefusalReason::try_from(refusal.reason).unwrap_or(RefusalReason::Unspecified),
-            message: refusal.message,
+            // The peer's words go into logs, records and /status: kept short.
+            message: truncated(refusal.message, MAX_PEER_MESSAGE_CHARS),
         }),
         FirstFrame::StateRequest(_) => Err(ExchangeError::UnexpectedFrame(FRAME_STATE_REQUEST)),
+    }
+}
+
+/// The most characters of a peer's refusal message this node keeps.
+pub const MAX_PEER_MESSAGE_CHARS: usize = 256;
+
+/// `text` cut to at most `max` characters (an ellipsis marks the cut).
+fn truncated(text: String, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((at, _)) => format!("{}…", &text[..at]),
+        None => text,
     }
 }
 

@@ -94,8 +94,14 @@ pub enum Outcome {
     /// sides ready to done.
     Swapped { bytes: u64, transfer: Duration },
     /// Its payload arrived and this node refused it: it failed a check of the exchange or
-    /// of the payload gate. `kind` names the check (`too_far`, `table_mismatch`, …).
-    Refused { kind: String, reason: String },
+    /// of the payload gate. `kind` names the check (`too_far`, `table_mismatch`, …);
+    /// `bytes` were received (the whole payload when the gate refused it, after a complete
+    /// swap; 0 when the exchange did).
+    Refused {
+        kind: String,
+        reason: String,
+        bytes: u64,
+    },
     /// No payload: a timeout, a lost stream, or the peer refused this node's.
     Failed(String),
 }
@@ -654,6 +660,7 @@ impl RoundMachine {
         let plan = a.plan.as_ref();
         let (mut exchanged, mut refused, mut failed) = (Vec::new(), Vec::new(), Vec::new());
         let (mut bytes_received, mut transfer) = (0, Duration::ZERO);
+        let mut swapped_out = 0u64;
         for (peer, outcome) in &a.outcomes {
             match outcome {
                 Outcome::Swapped { bytes, transfer: t } => {
@@ -661,11 +668,20 @@ impl RoundMachine {
                     transfer = transfer.max(*t);
                     exchanged.push(peer.to_string());
                 }
-                Outcome::Refused { kind, reason } => refused.push(RefusedPayload {
-                    peer: peer.to_string(),
-                    kind: kind.clone(),
-                    reason: reason.clone(),
-                }),
+                Outcome::Refused {
+                    kind,
+                    reason,
+                    bytes,
+                } => {
+                    bytes_received += bytes;
+                    // A complete swap: this node's payload went out too.
+                    swapped_out += u64::from(*bytes > 0);
+                    refused.push(RefusedPayload {
+                        peer: peer.to_string(),
+                        kind: kind.clone(),
+                        reason: reason.clone(),
+                    })
+                }
                 Outcome::Failed(why) => failed.push((peer.to_string(), why.clone())),
             }
         }
@@ -688,7 +704,7 @@ impl RoundMachine {
             members: plan.map(|p| strings(&p.members)).unwrap_or_default(),
             permutation: plan.map(|p| strings(&p.permutation)).unwrap_or_default(),
             neighbours: plan.map(|p| strings(&p.neighbours)).unwrap_or_default(),
-            bytes_sent: self.config.payload_bytes * exchanged.len() as u64,
+            bytes_sent: self.config.payload_bytes * (exchanged.len() as u64 + swapped_out),
             exchanged,
             refused,
             failed,
@@ -1005,6 +1021,7 @@ mod tests {
                     Outcome::Refused {
                         kind: "too_far".into(),
                         reason: "gate: too_far".into(),
+                        bytes: 0,
                     },
                 )],
             },

@@ -158,6 +158,11 @@ impl JoinedNode {
         &self.client
     }
 
+    /// The node's exchange and state-sync service (the driver publishes its state there).
+    pub fn exchange_service(&self) -> &ExchangeService {
+        &self.service
+    }
+
     /// Waits, up to `within`, until at least `min_peers` peers are subscribed to the run's
     /// topic.
     pub async fn wait_for_topic_peers(
@@ -179,8 +184,9 @@ impl JoinedNode {
         )
     }
 
-    /// Fetches the run's current state (checked against `table`) from the first topic peer
-    /// outside `exclude` (the bootstrap nodes, which hold none) that serves one; `None`
+    /// Fetches the run's current state (checked against `table`, every value finite) from
+    /// the first topic peer outside `exclude` (the bootstrap nodes, which hold none) that
+    /// serves one, skipping a peer whose state holds a NaN or an infinity; `None`
     /// when nobody does (a new run: start from the seed). Peers found through Kademlia
     /// subscribe over a few heartbeats, so the topic is watched for up to 20 s.
     pub async fn fetch_state(
@@ -203,7 +209,15 @@ impl JoinedNode {
                 .fetch_state(peer, Some(table.clone()), Duration::from_secs(120))
                 .await
             {
-                Ok((round, state)) => return Some(FetchedState { peer, round, state }),
+                Ok((round, state)) => match state.first_non_finite() {
+                    // Well formed, but poison: ask the next peer.
+                    Some(tensor) => tracing::warn!(
+                        %peer,
+                        tensor,
+                        "refused the peer's state: it holds a NaN or an infinity"
+                    ),
+                    None => return Some(FetchedState { peer, round, state }),
+                },
                 Err(e) => tracing::info!(%peer, error = %e, "no state from this peer"),
             }
         }

@@ -15,6 +15,25 @@ pub struct Tensor {
 }
 
 impl Tensor {
+    /// Whether a floating-point element is a NaN or an infinity (integers never are).
+    pub fn holds_non_finite(&self) -> bool {
+        match self.dtype {
+            DType::F32 => self
+                .data
+                .chunks_exact(4)
+                .any(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000),
+            DType::Bf16 => self
+                .data
+                .chunks_exact(2)
+                .any(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 == 0x7f80),
+            DType::F16 => self
+                .data
+                .chunks_exact(2)
+                .any(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00),
+            _ => false,
+        }
+    }
+
     /// A tensor whose byte length matches `shape` and `dtype`, or an error naming the mismatch.
     pub fn new(
         name: impl Into<String>,
@@ -80,6 +99,15 @@ impl TensorSet {
         TensorSet { tensors }
     }
 
+    /// The name of the first floating-point tensor holding a NaN or an infinity, read from
+    /// the raw little-endian bytes (fp32, bf16, fp16: all exponent bits set).
+    pub fn first_non_finite(&self) -> Option<&str> {
+        self.tensors
+            .iter()
+            .find(|t| t.holds_non_finite())
+            .map(|t| t.name.as_str())
+    }
+
     /// The table a receiver of this set should expect.
     pub fn specs(&self) -> Vec<TensorSpec> {
         self.tensors.iter().map(Tensor::spec).collect()
@@ -124,6 +152,35 @@ impl TensorSet {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn non_finite_values_are_found_in_the_raw_bytes_of_every_float_dtype() {
+        let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let tensor = |name: &str, dtype: DType, data: Vec<u8>| {
+            let n = data.len() as u64 / dtype.size().unwrap();
+            Tensor::new(name, dtype, vec![n], data).unwrap()
+        };
+        let good = tensor(
+            "a",
+            DType::F32,
+            f32s(&[0.0, -1.5, f32::MAX, f32::MIN_POSITIVE]),
+        );
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let set = TensorSet::new(vec![
+                good.clone(),
+                tensor("b", DType::F32, f32s(&[1.0, bad])),
+            ]);
+            assert_eq!(set.first_non_finite(), Some("b"), "{bad}");
+        }
+        assert_eq!(TensorSet::new(vec![good]).first_non_finite(), None);
+        // bf16 is the top half of an f32; f16's exponent is 5 bits.
+        let bf16 = |x: f32| ((x.to_bits() >> 16) as u16).to_le_bytes().to_vec();
+        assert!(tensor("c", DType::Bf16, bf16(f32::NAN)).holds_non_finite());
+        assert!(!tensor("c", DType::Bf16, bf16(3.0e38)).holds_non_finite());
+        assert!(tensor("d", DType::F16, 0x7c00u16.to_le_bytes().to_vec()).holds_non_finite());
+        assert!(!tensor("d", DType::F16, 0x7bffu16.to_le_bytes().to_vec()).holds_non_finite());
+        assert!(!tensor("e", DType::U8, vec![0xff; 4]).holds_non_finite());
+    }
 
     #[test]
     fn tensor_new_refuses_a_length_that_does_not_match_the_shape() {

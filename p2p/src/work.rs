@@ -131,8 +131,8 @@ pub trait RoundWork: Send + Sync {
     fn train(&mut self, order: TrainOrder) -> WorkFuture<Trained>;
     /// The payload gate (`gasloc_proto::gate`): checks the values of the round's payloads
     /// that passed the exchange, before any is mixed, and returns one verdict per
-    /// candidate. A refused payload is mixed as missing. Called once per round, after the
-    /// exchange and before [`Self::finish`]. The default accepts every payload: for a
+    /// candidate. A refused payload is mixed as missing. Called after each round's exchange
+    /// (a round without neighbours has none) and before [`Self::finish`]. The default accepts every payload: for a
     /// trainer whose payload is no model (the synthetic trainer's random bytes).
     fn screen(&mut self, round: u64, candidates: Vec<Candidate>) -> WorkFuture<Vec<Screened>> {
         let _ = round;

@@ -383,3 +383,40 @@ async fn partner_killed_mid_transfer_costs_at_most_the_deadline() {
     assert!(rs[0].1.is_ok(), "{:?}", rs[0].1);
     assert!(rh[0].1.is_ok(), "{:?}", rh[0].1);
 }
+
+#[tokio::test]
+async fn a_peers_huge_refusal_message_is_cut_before_it_reaches_logs_and_status() {
+    use gasloc_p2p::exchange::{read_checked_header, refuse, Expectation, MAX_PEER_MESSAGE_CHARS};
+    use gasloc_proto::wire::Refusal;
+    let mut bytes = Vec::new();
+    let refusal = Refusal {
+        reason: RefusalReason::TableMismatch as i32,
+        message: "é".repeat(1 << 20),
+    };
+    refuse(&mut futures::io::Cursor::new(&mut bytes), &refusal)
+        .await
+        .unwrap();
+    let expect = Expectation {
+        run_id: gasloc_proto::RunId::from_bytes([7; 32]),
+        round: Some(ROUND),
+        sender: PeerId::random(),
+        kind: PayloadKind::Model,
+        table: None,
+    };
+    let err = read_checked_header(
+        &mut futures::io::Cursor::new(bytes),
+        &expect,
+        &ExchangeLimits::default(),
+    )
+    .await
+    .unwrap_err();
+    let ExchangeError::Refused { message, .. } = &err else {
+        panic!("{err}");
+    };
+    assert_eq!(
+        message.chars().count(),
+        MAX_PEER_MESSAGE_CHARS + 1,
+        "256 and the ellipsis"
+    );
+    assert!(err.to_string().len() < 1024, "{}", err.to_string().len());
+}

@@ -117,7 +117,7 @@ impl PayloadGate {
         }
     }
 
-    /// The median of the accepted distances in the window (`None` before any).
+    /// The (lower) median of the accepted distances in the window (`None` before any).
     pub fn accepted_median(&self) -> Option<f64> {
         if self.accepted.is_empty() {
             return None;
@@ -125,10 +125,8 @@ impl PayloadGate {
         let mut sorted: Vec<f64> = self.accepted.iter().copied().collect();
         sorted.sort_by(f64::total_cmp);
         let n = sorted.len();
-        Some(match n % 2 {
-            1 => sorted[n / 2],
-            _ => (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0,
-        })
+        // The lower median: an attacker holding half of the window cannot raise it.
+        Some(sorted[(n - 1) / 2])
     }
 
     /// Judges the round's payloads, `own_distance` being `‖θ_i − x_i‖`. Every payload is
@@ -167,21 +165,28 @@ impl PayloadGate {
                 tensor: tensor.clone(),
             });
         }
-        // Finite values can still sum to an infinite or NaN norm: that is too far as well.
         let reference = own_distance.max(median.unwrap_or(0.0));
-        if reference > 0.0 && reference.is_finite() {
-            let bound = self.config.max_distance_ratio * reference;
-            let within = stats.distance.is_finite() && stats.distance <= bound;
-            if !within {
-                return Err(Refusal::TooFar {
-                    distance: stats.distance,
-                    bound,
-                    reference,
-                });
-            }
+        let bound = self.config.max_distance_ratio * reference;
+        // Finite values can still sum to an infinite or NaN norm: too far, whatever the
+        // reference (so only finite distances ever enter the window).
+        if !stats.distance.is_finite() {
+            return Err(Refusal::TooFar {
+                distance: stats.distance,
+                bound,
+                reference,
+            });
+        }
+        if reference > 0.0 && reference.is_finite() && stats.distance > bound {
+            return Err(Refusal::TooFar {
+                distance: stats.distance,
+                bound,
+                reference,
+            });
         }
         if let Some(cosine) = stats.cosine {
-            if cosine < self.config.min_cosine {
+            // A NaN cosine passes only a floor that is off.
+            let off = self.config.min_cosine <= -1.0;
+            if !off && (cosine.is_nan() || cosine < self.config.min_cosine) {
                 return Err(Refusal::Misaligned {
                     cosine,
                     floor: self.config.min_cosine,
@@ -255,8 +260,23 @@ mod tests {
 
     #[test]
     fn with_no_reference_yet_only_finiteness_and_the_cosine_are_checked() {
-        let verdicts = gate().judge_round(0.0, &[at(1e6)]);
+        let mut g = gate();
+        let verdicts = g.judge_round(0.0, &[at(1e6), at(f64::INFINITY), at(f64::NAN)]);
         assert!(verdicts[0].is_ok());
+        assert!(matches!(verdicts[1], Err(Refusal::TooFar { .. })));
+        assert!(matches!(verdicts[2], Err(Refusal::TooFar { .. })));
+        assert_eq!(
+            g.accepted_median(),
+            Some(1e6),
+            "only the finite distance entered"
+        );
+    }
+
+    #[test]
+    fn half_a_window_of_attackers_does_not_raise_the_median() {
+        let mut g = gate();
+        g.judge_round(0.0, &[at(1.0), at(1.0), at(9.0), at(9.0)]);
+        assert_eq!(g.accepted_median(), Some(1.0));
     }
 
     #[test]
@@ -271,7 +291,7 @@ mod tests {
         for d in [2.0, 3.0, 4.0, 5.0] {
             g.judge_round(10.0, &[at(d)]);
         }
-        assert_eq!(g.accepted_median(), Some(3.5));
+        assert_eq!(g.accepted_median(), Some(3.0));
     }
 
     #[test]
@@ -287,5 +307,14 @@ mod tests {
         });
         let verdict = strict.judge_round(1.0, &[flipped]).remove(0).unwrap_err();
         assert_eq!(verdict.kind(), "misaligned");
+        let nan = PayloadStats {
+            cosine: Some(f64::NAN),
+            ..at(1.0)
+        };
+        assert!(gate().judge_round(1.0, std::slice::from_ref(&nan))[0].is_ok());
+        assert!(
+            strict.judge_round(1.0, &[nan])[0].is_err(),
+            "NaN is no cosine"
+        );
     }
 }

@@ -86,6 +86,7 @@ impl fmt::Display for Reachability {
 /// round, written by the round machine, printed and appended to `--report` by `join`, and
 /// kept in [`NodeStatus::history`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
 pub struct RoundRecord {
     pub peer: String,
     pub round: u64,
@@ -161,6 +162,7 @@ pub struct RefusedPayload {
 
 /// The node's state as `/status` serves it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
 pub struct NodeStatus {
     pub peer_id: String,
     pub run_id: String,
