@@ -160,8 +160,7 @@ impl RoundWork for Volunteer {
     fn train(&mut self, order: TrainOrder) -> WorkFuture<Trained> {
         self.call(|reply| Request::Train(order, reply))
     }
-    fn screen(&mut self, round: u64, candidates: Vec<Candidate>) -> WorkFuture<Vec<Screened>> {
-        let _ = round; // the gate judges by numbers, not by round
+    fn screen(&mut self, _round: u64, candidates: Vec<Candidate>) -> WorkFuture<Vec<Screened>> {
         self.call(|reply| Request::Screen(candidates, reply))
     }
     fn finish(&mut self, received: Received) -> WorkFuture<Finished> {
@@ -544,6 +543,11 @@ impl RoundTrainer {
                 2 * n
             );
         }
+        // A state with a NaN or an infinity would poison every step after it: refused
+        // before it is decoded (the check `fetch_state` makes, on the same bytes).
+        if let Some(tensor) = state.first_non_finite() {
+            bail!("the synced state's tensor {tensor} holds a NaN or an infinity: refused");
+        }
         let device = self.trainer.device();
         let decode = |range: std::ops::Range<usize>| {
             state.tensors[range]
@@ -554,16 +558,6 @@ impl RoundTrainer {
         };
         let anchor = decode(0..n)?;
         let momentum = decode(n..2 * n)?;
-        // A state with a NaN or an infinity would poison every step after it: refused
-        // before it touches the model.
-        for (t, wire) in anchor.iter().chain(&momentum).zip(&state.tensors) {
-            if t.isfinite().all().int64_value(&[]) == 0 {
-                bail!(
-                    "the synced state's tensor {} holds a NaN or an infinity: refused",
-                    wire.name
-                );
-            }
-        }
         let _guard = tch::no_grad_guard();
         for (a, v) in self.anchor.iter_mut().zip(&anchor) {
             a.copy_(v);

@@ -133,8 +133,7 @@ impl RoundDriver {
         let mut training: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Trained)>> = None;
         let mut exchange: Option<JoinHandle<(u64, ExchangeResults)>> = None;
         let mut screening: Option<WorkFuture<Gated>> = None;
-        // When the round's payload gate started, and how long it took (for its record).
-        let mut gate_started = std::time::Instant::now();
+        // The last payload gate's round and duration, for that round's record.
         let mut gate_took: Option<(u64, Duration)> = None;
         let mut finishing: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Finished)>> = None;
         let mut records = Vec::new();
@@ -282,15 +281,14 @@ impl RoundDriver {
                     let (round, results) = done.expect("exchange task does not panic");
                     // What arrived goes through the payload gate before the machine hears
                     // of it: a refused payload is mixed as missing.
-                    gate_started = std::time::Instant::now();
                     screening = Some(screen(self.work.as_mut(), round, results));
                     continue;
                 }
                 done = work_opt(&mut screening) => {
                     screening = None;
                     match done {
-                        Ok((round, results, outcomes)) => {
-                            gate_took = Some((round, gate_started.elapsed()));
+                        Ok(Gated { round, results, outcomes, took }) => {
+                            gate_took = Some((round, took));
                             arrived = results;
                             Input::Exchanged { round, outcomes }
                         }
@@ -435,9 +433,16 @@ fn outcome_of(
     }
 }
 
-/// A round's exchange results after the payload gate (refused payloads taken out), with
-/// each neighbour's outcome.
-type Gated = (u64, ExchangeResults, Vec<(PeerId, Outcome)>);
+/// A round's exchange results after the payload gate.
+struct Gated {
+    round: u64,
+    /// Refused payloads taken out.
+    results: ExchangeResults,
+    /// Each neighbour's outcome, a gate refusal as `Refused`.
+    outcomes: Vec<(PeerId, Outcome)>,
+    /// How long the gate took.
+    took: Duration,
+}
 
 /// Passes the payloads that came through the exchange to the work's payload gate and
 /// returns the results with every refused payload taken out, and each neighbour's outcome.
@@ -453,6 +458,7 @@ fn screen(work: &mut dyn RoundWork, round: u64, mut results: ExchangeResults) ->
             })
         })
         .collect();
+    let started = std::time::Instant::now();
     let screened = work.screen(round, candidates);
     Box::pin(async move {
         let mut outcomes: Vec<(PeerId, Outcome)> = Vec::with_capacity(results.len());
@@ -493,6 +499,11 @@ fn screen(work: &mut dyn RoundWork, round: u64, mut results: ExchangeResults) ->
                 }
             }
         }
-        Ok((round, results, outcomes))
+        Ok(Gated {
+            round,
+            results,
+            outcomes,
+            took: started.elapsed(),
+        })
     })
 }

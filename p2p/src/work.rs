@@ -134,8 +134,7 @@ pub trait RoundWork: Send + Sync {
     /// candidate. A refused payload is mixed as missing. Called after each round's exchange
     /// (a round without neighbours has none) and before [`Self::finish`]. The default accepts every payload: for a
     /// trainer whose payload is no model (the synthetic trainer's random bytes).
-    fn screen(&mut self, round: u64, candidates: Vec<Candidate>) -> WorkFuture<Vec<Screened>> {
-        let _ = round;
+    fn screen(&mut self, _round: u64, candidates: Vec<Candidate>) -> WorkFuture<Vec<Screened>> {
         Box::pin(async move {
             Ok(candidates
                 .into_iter()
