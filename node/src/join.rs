@@ -14,7 +14,8 @@ use gasloc_p2p::config::{NetworkConfig, Role};
 use gasloc_p2p::driver::{DriverOptions, RoundRecord};
 use gasloc_p2p::exchange::SendOptions;
 use gasloc_p2p::network::{peer_id_of, unix_ms};
-use gasloc_p2p::swarm_node::{FetchedState, Participation, SwarmNode};
+use gasloc_p2p::peer_standing::{BanFile, PeerStanding};
+use gasloc_p2p::swarm_node::{Participation, SwarmNode};
 use gasloc_p2p::synthetic::SyntheticTrainer;
 use gasloc_p2p::upload_limit::{parse_rate, UploadLimiter};
 use gasloc_p2p::work::RoundWork;
@@ -234,28 +235,67 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
         None => None,
     };
 
-    let (mut work, wants_state) = make_trainer(&args, &manifest, me, device).await?;
+    let (mut work, started_from) = make_trainer(&args, &manifest, me, device).await?;
 
     let node = node.join_run(run_id, timing.clone()).await?;
     node.wait_for_topic_peers(args.min_peers, Duration::from_secs(60))
         .await?;
     // A run under way (past its first round) has state to fetch; a new one starts from
-    // the seed on every node.
-    let under_way = timing.round_at(unix_ms()).is_some_and(|r| r > 0);
-    if args.sync_state || (wants_state && under_way) {
+    // the seed on every node. A node resumed from a checkpoint more than a round old fetches
+    // the swarm's anchor too (its own is stale: its neighbours' models would lie beyond the
+    // payload gate's bound), keeping its inner optimizer and data cursor.
+    let now_round = timing.round_at(unix_ms()).unwrap_or(0);
+    let wants_state = match started_from {
+        StartedFrom::Seed => now_round > 0,
+        StartedFrom::Checkpoint { round } if now_round > round + 1 => {
+            println!("state_sync=stale checkpoint_round={round} swarm_round={now_round}");
+            true
+        }
+        StartedFrom::Checkpoint { .. } | StartedFrom::Nothing => false,
+    };
+    if args.sync_state || wants_state {
         status.send_modify(|s| s.state = NodeState::Syncing);
         let table = Arc::new(work.state_table());
-        match node.fetch_state(&bootstrap_peers, table).await {
-            Some(FetchedState { peer, round, state }) => {
+        match node
+            .sync_state(&bootstrap_peers, table, &manifest.gate)
+            .await?
+        {
+            Some(synced) => {
+                let sources: Vec<String> = synced.sources.iter().map(|p| p.to_string()).collect();
+                let refused: Vec<String> = synced
+                    .refused
+                    .iter()
+                    .map(|r| format!("{}:{}", r.peer, r.kind))
+                    .collect();
                 println!(
-                    "state_synced_from={peer} round={round} bytes={}",
-                    state.byte_length()
+                    "state_synced_from={} sources={} round={} bytes={} disagreement={:.3e} \
+                     refused={}",
+                    sources.join(","),
+                    sources.len(),
+                    synced.round,
+                    synced.state.byte_length(),
+                    synced.disagreement,
+                    refused.join(",")
                 );
-                work.load_state(round, state).await?;
+                if sources.len() == 1 {
+                    println!(
+                        "state_sync_unchecked=one source only: its state was not cross-checked"
+                    );
+                }
+                status.send_modify(|s| s.record_state_sync(synced.report()));
+                work.load_state(synced.round, synced.state).await?;
             }
             None => println!("state_sync=none"),
         }
     }
+
+    // The bans this node made in an earlier life in this run hold on.
+    let ban_file = BanFile::path_in(&args.home);
+    let bans = BanFile::load(&ban_file, run_id).map_err(anyhow::Error::msg)?;
+    if !bans.is_empty() {
+        println!("bans_loaded={} file={}", bans.len(), ban_file.display());
+    }
+    let standing = PeerStanding::new(&manifest.gate, bans);
 
     let stop = CancellationToken::new();
     spawn_signal_handler(stop.clone());
@@ -271,6 +311,8 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
                     .map(|r| Arc::new(UploadLimiter::new(r))),
                 ..SendOptions::default()
             },
+            standing,
+            ban_file: Some(ban_file),
         },
         status,
         stop: stop.clone(),
@@ -314,7 +356,7 @@ async fn make_trainer(
     manifest: &RunManifest,
     peer: PeerId,
     device: Option<tch::Device>,
-) -> Result<(Box<dyn RoundWork>, bool)> {
+) -> Result<(Box<dyn RoundWork>, StartedFrom)> {
     let Some(device) = device else {
         let trainer = SyntheticTrainer::new(
             peer,
@@ -323,7 +365,7 @@ async fn make_trainer(
             args.inner_steps,
             Duration::from_millis(args.step_time_ms),
         );
-        return Ok((Box::new(trainer), false));
+        return Ok((Box::new(trainer), StartedFrom::Nothing));
     };
     let options = VolunteerOptions {
         manifest: manifest.clone(),
@@ -344,8 +386,21 @@ async fn make_trainer(
             device_name(device)
         ),
     }
-    let wants_state = volunteer.start_kind() == Start::Fresh;
-    Ok((Box::new(volunteer), wants_state))
+    let from = match volunteer.start_kind() {
+        Start::Fresh => StartedFrom::Seed,
+        Start::Resumed { round, .. } => StartedFrom::Checkpoint { round },
+    };
+    Ok((Box::new(volunteer), from))
+}
+
+/// What the trainer's state was made from before the first round.
+enum StartedFrom {
+    /// The run's seed (a fresh node).
+    Seed,
+    /// The node's own checkpoint of `round`.
+    Checkpoint { round: u64 },
+    /// No model to sync (the synthetic trainer).
+    Nothing,
 }
 
 /// One terminal line per round.

@@ -544,7 +544,7 @@ impl RoundTrainer {
             );
         }
         // A state with a NaN or an infinity would poison every step after it: refused
-        // before it is decoded (the check `fetch_state` makes, on the same bytes).
+        // before it is decoded (the check `sync_state` makes, on the same bytes).
         if let Some(tensor) = state.first_non_finite() {
             bail!("the synced state's tensor {tensor} holds a NaN or an infinity: refused");
         }

@@ -14,6 +14,7 @@
 use crate::exchange::{ExchangeError, OutgoingPayload, SendOptions};
 use crate::exchange_service::{ExchangeResults, ExchangeService};
 use crate::network::{unix_ms, Client, NetworkEvent};
+use crate::peer_standing::{BanFile, PeerStanding};
 pub use crate::round_machine::RoundRecord;
 use crate::round_machine::{Input, MachineConfig, Outcome, Output, RoundMachine, StatusChange};
 use crate::schedule::{RoundSchedule, Timing};
@@ -27,6 +28,7 @@ use gasloc_status::{NodeState, NodeStatus};
 use libp2p::PeerId;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
@@ -41,6 +43,11 @@ pub struct DriverOptions {
     /// Fault injection for tests: never publish reveals (the node gets excluded).
     pub withhold_reveals: bool,
     pub send: SendOptions,
+    /// The peers' offences and this node's bans, as they stand when the rounds begin (the
+    /// bans loaded from the node's home, or none).
+    pub standing: PeerStanding,
+    /// Where new bans are written, so a restarted node keeps them (`None`: not kept).
+    pub ban_file: Option<PathBuf>,
 }
 
 async fn join_opt<T>(handle: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
@@ -137,6 +144,16 @@ impl RoundDriver {
         let mut gate_took: Option<(u64, Duration)> = None;
         let mut finishing: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Finished)>> = None;
         let mut records = Vec::new();
+        // Bans from an earlier life of this node hold from the start; the round's banned
+        // neighbours are mixed as missing without an exchange.
+        let mut standing = self.options.standing.clone();
+        for ban in standing.bans() {
+            if let Ok(peer) = ban.peer.parse::<PeerId>() {
+                let _ = self.client.ban(peer).await;
+            }
+        }
+        self.publish_standing(&standing, 0);
+        let mut banned_neighbours: Vec<PeerId> = Vec::new();
         let mut stopping = false;
         let mut outcome = Ok(());
         let mut outputs = machine.handle(Input::Tick, unix_ms());
@@ -160,6 +177,9 @@ impl RoundDriver {
                     }
                     Output::MoveDeadline { deadline_ms, .. } => deadline.set(deadline_ms),
                     Output::StartExchange { round, neighbours } => {
+                        let (banned, neighbours): (Vec<PeerId>, Vec<PeerId>) =
+                            neighbours.into_iter().partition(|p| standing.is_banned(p));
+                        banned_neighbours = banned;
                         let (service, table) = (self.service.clone(), table.clone());
                         let timeout = Duration::from_millis(timing.exchange_timeout_ms);
                         let payload = payload.clone();
@@ -225,6 +245,7 @@ impl RoundDriver {
                                 record.gate_s = took.as_secs_f64();
                             }
                         }
+                        self.judge_peers(&mut standing, &record).await;
                         self.publish_record(&record);
                         on_record(&record);
                         records.push(*record);
@@ -287,9 +308,17 @@ impl RoundDriver {
                 done = work_opt(&mut screening) => {
                     screening = None;
                     match done {
-                        Ok(Gated { round, results, outcomes, took }) => {
+                        Ok(Gated { round, results, mut outcomes, took }) => {
                             gate_took = Some((round, took));
                             arrived = results;
+                            outcomes.extend(banned_neighbours.drain(..).map(|peer| {
+                                let reason = "banned by this node for the rest of the run";
+                                (peer, Outcome::Refused {
+                                    kind: "banned".into(),
+                                    reason: reason.into(),
+                                    bytes: 0,
+                                })
+                            }));
                             Input::Exchanged { round, outcomes }
                         }
                         Err(e) => {
@@ -332,6 +361,71 @@ impl RoundDriver {
         outcome?;
         closed?;
         Ok(records)
+    }
+
+    /// Counts the round's offences against their peers (refused payloads, withheld reveals),
+    /// lowers their gossipsub scores, and bans the peers that reached the limit: their
+    /// connections are refused from now on, the ban is written to the node's home, and
+    /// `/status` shows it.
+    async fn judge_peers(&self, standing: &mut PeerStanding, record: &RoundRecord) {
+        let round = record.round;
+        let offences = record
+            .refused
+            .iter()
+            .map(|r| (r.peer.as_str(), r.kind.as_str()))
+            .chain(
+                record
+                    .withheld
+                    .iter()
+                    .map(|p| (p.as_str(), "withheld_reveal")),
+            );
+        let mut offenders = Vec::new();
+        let mut banned = false;
+        for (peer, kind) in offences {
+            let Ok(peer) = peer.parse::<PeerId>() else {
+                continue;
+            };
+            if let Some(ban) = standing.offend(peer, round, kind) {
+                tracing::warn!(
+                    round,
+                    %peer,
+                    offences = ?ban.offences,
+                    "peer banned for the rest of the run"
+                );
+                let _ = self.client.ban(peer).await;
+                banned = true;
+            } else if crate::peer_standing::is_offence(kind) {
+                offenders.push(peer);
+            }
+        }
+        for peer in offenders {
+            let _ = self
+                .client
+                .set_score(peer, standing.score(&peer, round))
+                .await;
+        }
+        if banned {
+            if let Some(path) = self.options.ban_file.clone() {
+                let (run_id, bans) = (self.run_id, standing.bans().cloned().collect::<Vec<_>>());
+                let saved =
+                    tokio::task::spawn_blocking(move || BanFile::save(&path, run_id, bans.iter()))
+                        .await;
+                if let Ok(Err(e)) | Err(e) = saved.map_err(std::io::Error::other) {
+                    tracing::error!(error = %e, "cannot write the ban list");
+                }
+            }
+        }
+        self.publish_standing(standing, round);
+    }
+
+    /// The bans and scores into the `/status` document.
+    fn publish_standing(&self, standing: &PeerStanding, round: u64) {
+        let banned = standing.bans().cloned().collect();
+        let scores = standing.scores(round);
+        self.status.send_modify(|s| {
+            s.banned = banned;
+            s.scores = scores;
+        });
     }
 
     /// Carries a status change of the machine into the `/status` document.

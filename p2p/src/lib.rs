@@ -30,6 +30,7 @@ pub mod links;
 pub mod local_swarm;
 pub mod manifest_service;
 pub mod network;
+pub mod peer_standing;
 pub mod permutation;
 pub mod round_machine;
 pub mod schedule;

@@ -8,10 +8,12 @@ use crate::config::{NetworkConfig, Role};
 use crate::driver::{DriverOptions, RoundRecord};
 use crate::exchange::SendOptions;
 use crate::network::unix_ms;
+use crate::peer_standing::PeerStanding;
 use crate::schedule::Timing;
 use crate::swarm_node::{Participation, SwarmNode};
 use crate::synthetic::SyntheticTrainer;
 use anyhow::{bail, Context};
+use gasloc_proto::manifest::GateConfig;
 use gasloc_proto::RunId;
 use libp2p::identity::Keypair;
 use libp2p::Multiaddr;
@@ -105,6 +107,8 @@ impl LocalSwarm {
                     rounds: self.rounds,
                     withhold_reveals: self.withholder == Some(i),
                     send: SendOptions::default(),
+                    standing: PeerStanding::new(&GateConfig::default(), Vec::new()),
+                    ban_file: None,
                 },
                 status: tokio::sync::watch::channel(Default::default()).0,
                 stop: Default::default(),

@@ -128,6 +128,15 @@ pub enum Command {
     ServeManifest {
         response: ManifestResponse,
     },
+    /// Refuse every connection of `peer` from now on, closing the open ones.
+    Ban {
+        peer: PeerId,
+    },
+    /// Set `peer`'s gossipsub application score.
+    SetScore {
+        peer: PeerId,
+        score: f64,
+    },
     Shutdown,
 }
 
@@ -212,6 +221,23 @@ impl Client {
     pub async fn serve_manifest(&self, response: ManifestResponse) -> Result<(), ClientError> {
         self.commands
             .send(Command::ServeManifest { response })
+            .await
+            .map_err(|_| ClientError::NetworkStopped)
+    }
+
+    /// Bans `peer` from this node: its connections are closed and refused from now on, for
+    /// QUIC, TCP and relayed ones alike (see [`crate::peer_standing`]).
+    pub async fn ban(&self, peer: PeerId) -> Result<(), ClientError> {
+        self.commands
+            .send(Command::Ban { peer })
+            .await
+            .map_err(|_| ClientError::NetworkStopped)
+    }
+
+    /// Sets `peer`'s gossipsub application score (its standing with this node).
+    pub async fn set_score(&self, peer: PeerId, score: f64) -> Result<(), ClientError> {
+        self.commands
+            .send(Command::SetScore { peer, score })
             .await
             .map_err(|_| ClientError::NetworkStopped)
     }
@@ -474,6 +500,23 @@ impl EventLoop {
                 self.pending_manifest.insert(id, (peer, reply));
             }
             Command::ServeManifest { response } => self.served_manifest = Some(response),
+            Command::Ban { peer } => {
+                // Closes its connections and refuses new ones. Its control messages that
+                // other peers forward still count in the round's agreement (gossipsub's
+                // blacklist would drop them and split this node's view of the members from
+                // the swarm's); its score makes this node ignore what it sends directly.
+                self.swarm.behaviour_mut().blocked.block_peer(peer);
+                self.swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .set_application_score(&peer, crate::peer_standing::BANNED_SCORE);
+            }
+            Command::SetScore { peer, score } => {
+                self.swarm
+                    .behaviour_mut()
+                    .gossipsub
+                    .set_application_score(&peer, score);
+            }
             Command::Shutdown => {}
         }
     }

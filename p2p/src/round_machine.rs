@@ -704,6 +704,7 @@ impl RoundMachine {
             members: plan.map(|p| strings(&p.members)).unwrap_or_default(),
             permutation: plan.map(|p| strings(&p.permutation)).unwrap_or_default(),
             neighbours: plan.map(|p| strings(&p.neighbours)).unwrap_or_default(),
+            withheld: plan.map(|p| strings(&p.withheld)).unwrap_or_default(),
             bytes_sent: self.config.payload_bytes * (exchanged.len() as u64 + swapped_out),
             exchanged,
             refused,

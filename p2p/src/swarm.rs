@@ -7,8 +7,9 @@ use libp2p::identity::Keypair;
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::{
-    autonat, connection_limits, dcutr, gossipsub, identify, kad, mdns, memory_connection_limits,
-    noise, ping, relay, request_response, tcp, yamux, StreamProtocol, Swarm,
+    allow_block_list, autonat, connection_limits, dcutr, gossipsub, identify, kad, mdns,
+    memory_connection_limits, noise, ping, relay, request_response, tcp, yamux, StreamProtocol,
+    Swarm,
 };
 use sha2::{Digest, Sha256};
 
@@ -20,6 +21,8 @@ pub const IDENTIFY_PROTOCOL: &str = "/gasloc/1";
 /// The behaviours of a gasloc process. Role-specific parts are toggled off elsewhere.
 #[derive(NetworkBehaviour)]
 pub struct GaslocBehaviour {
+    /// Peers this node banned (`peer_standing`): their connections are denied.
+    pub blocked: allow_block_list::Behaviour<allow_block_list::BlockedPeers>,
     pub connection_limits: connection_limits::Behaviour,
     pub memory_limits: memory_connection_limits::Behaviour,
     pub identify: identify::Behaviour,
@@ -108,11 +111,21 @@ fn build_behaviour(
         })
         .build()
         .map_err(|e| anyhow::anyhow!("gossipsub config: {e}"))?;
-    let gossipsub = gossipsub::Behaviour::new(
+    let mut gossipsub = gossipsub::Behaviour::new(
         gossipsub::MessageAuthenticity::Signed(key.clone()),
         gossip_config,
     )
     .map_err(|e| anyhow::anyhow!("gossipsub: {e}"))?;
+    // Peer scoring, so that a peer's standing with this node (its offences: see
+    // `peer_standing`) is its application score. Many volunteers share an address (one
+    // NAT, one campus, loopback in tests): no penalty for colocation.
+    let score_params = gossipsub::PeerScoreParams {
+        ip_colocation_factor_weight: 0.0,
+        ..Default::default()
+    };
+    gossipsub
+        .with_peer_score(score_params, gossipsub::PeerScoreThresholds::default())
+        .map_err(|e| anyhow::anyhow!("gossipsub peer score: {e}"))?;
 
     let manifest_support = match config.role {
         Role::Bootstrap => request_response::ProtocolSupport::Full,
@@ -145,6 +158,7 @@ fn build_behaviour(
     };
 
     Ok(GaslocBehaviour {
+        blocked: allow_block_list::Behaviour::default(),
         connection_limits: connection_limits::Behaviour::new(limits),
         memory_limits: memory_connection_limits::Behaviour::with_max_percentage(
             config.max_memory_fraction,

@@ -8,7 +8,7 @@
 //! 2. [`SwarmNode::fetch_manifest`] when the run comes from a bootstrap node;
 //! 3. [`SwarmNode::join_run`]: subscribe to the run's topic (its messages checked against
 //!    the round timing) and serve exchanges and state, giving a [`JoinedNode`];
-//! 4. optionally [`JoinedNode::wait_for_topic_peers`] and [`JoinedNode::fetch_state`] (a
+//! 4. optionally [`JoinedNode::wait_for_topic_peers`] and [`JoinedNode::sync_state`] (a
 //!    late joiner);
 //! 5. [`JoinedNode::take_part`]: the rounds, then leave the swarm.
 //!
@@ -24,10 +24,13 @@ use crate::schedule::Timing;
 use crate::tensors::{TensorSet, TensorSpec};
 use crate::work::RoundWork;
 use anyhow::{anyhow, bail};
+use gasloc_proto::gate::{judge_state_sources, StateParts, StateVerdict};
+use gasloc_proto::manifest::GateConfig;
 use gasloc_proto::{RunId, RunManifest};
-use gasloc_status::NodeStatus;
+use gasloc_status::{NodeStatus, RefusedPayload, StateSyncReport};
 use libp2p::identity::Keypair;
 use libp2p::{Multiaddr, PeerId};
+use rand::seq::SliceRandom;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, watch};
@@ -59,11 +62,141 @@ pub struct Participation {
     pub stop: CancellationToken,
 }
 
-/// A state a peer served (see [`JoinedNode::fetch_state`]).
-pub struct FetchedState {
-    pub peer: PeerId,
+/// States a joiner fetches and checks against each other (see [`JoinedNode::sync_state`]).
+pub const STATE_SOURCES: usize = 3;
+/// Peers a joiner asks for their state at most, when the first ones disagree.
+pub const MAX_STATE_PEERS_ASKED: usize = 8;
+
+/// The state a joining node starts from (see [`JoinedNode::sync_state`]).
+pub struct SyncedState {
+    /// The round the state begins: the latest among the sources kept.
     pub round: u64,
+    /// The mean of the kept sources' states.
     pub state: TensorSet,
+    /// The peers whose states agreed and were averaged (one alone: not cross-checked).
+    pub sources: Vec<PeerId>,
+    /// The states refused, and why.
+    pub refused: Vec<RefusedPayload>,
+    /// The largest `‖θ_a − θ_b‖ / max(‖θ_a‖, ‖θ_b‖)` between the anchors of two kept
+    /// sources (0 for one): how far inside `gate.max_state_disagreement` they lie.
+    pub disagreement: f64,
+}
+
+impl SyncedState {
+    /// The report `/status` keeps.
+    pub fn report(&self) -> StateSyncReport {
+        StateSyncReport {
+            round: self.round,
+            sources: self.sources.iter().map(PeerId::to_string).collect(),
+            refused: self.refused.clone(),
+            disagreement: self.disagreement,
+        }
+    }
+}
+
+/// The prefix of the anchor's tensors in a state (`anchor.<param>`; the outer momentum's
+/// are `outer_momentum.<param>`): the state protocol's convention.
+pub const STATE_ANCHOR_PREFIX: &str = "anchor.";
+
+fn is_anchor(tensor: &crate::tensors::Tensor) -> bool {
+    tensor.name.starts_with(STATE_ANCHOR_PREFIX)
+}
+
+/// A finite state one peer served.
+struct FetchedState {
+    peer: PeerId,
+    round: u64,
+    state: TensorSet,
+}
+
+/// The fetched states measured against each other and judged.
+struct Judged {
+    verdict: StateVerdict,
+    /// `relative[a][b] = ‖s_a − s_b‖ / max(‖s_a‖, ‖s_b‖)`.
+    relative: Vec<Vec<f64>>,
+    fetched: Vec<FetchedState>,
+}
+
+/// Measures the fetched states against each other and judges them, on a blocking thread;
+/// hands the states back.
+async fn judge_fetched(gate: GateConfig, fetched: Vec<FetchedState>) -> anyhow::Result<Judged> {
+    let judged = tokio::task::spawn_blocking(move || {
+        let n = fetched.len();
+        let parts = |f: &FetchedState| StateParts {
+            anchor: f.state.norm_where(is_anchor),
+            momentum: f.state.norm_where(|t| !is_anchor(t)),
+        };
+        let norms: Vec<StateParts> = fetched.iter().map(parts).collect();
+        let no_distance = StateParts {
+            anchor: f64::INFINITY,
+            momentum: f64::INFINITY,
+        };
+        let mut distances = vec![vec![no_distance; n]; n];
+        let mut relative = vec![vec![0.0; n]; n];
+        for a in 0..n {
+            for b in a + 1..n {
+                // Every state was checked against one table: they match.
+                let (x, y) = (&fetched[a].state, &fetched[b].state);
+                let d = StateParts {
+                    anchor: x.distance_where(y, is_anchor).unwrap_or(f64::INFINITY),
+                    momentum: x
+                        .distance_where(y, |t| !is_anchor(t))
+                        .unwrap_or(f64::INFINITY),
+                };
+                let r = d.anchor / norms[a].anchor.max(norms[b].anchor);
+                tracing::info!(
+                    a = %fetched[a].peer,
+                    b = %fetched[b].peer,
+                    anchors = r,
+                    momentum_norms = ?(norms[a].momentum, norms[b].momentum),
+                    "state sync: ‖θ_a − θ_b‖ / max(‖θ_a‖, ‖θ_b‖), and the momenta's norms"
+                );
+                (distances[a][b], distances[b][a]) = (d, d);
+                (relative[a][b], relative[b][a]) = (r, r);
+            }
+        }
+        let verdict = judge_state_sources(&gate, &norms, |a, b| distances[a][b]);
+        Judged {
+            verdict,
+            relative,
+            fetched,
+        }
+    })
+    .await?;
+    Ok(judged)
+}
+
+/// Why a joiner gives up: its sources split and nobody else serves a state.
+fn split_error(fetched: &[FetchedState], gate: &GateConfig) -> String {
+    let sources: Vec<String> = fetched.iter().map(|f| f.peer.to_string()).collect();
+    format!(
+        "state sync: the states of {} disagree with each other beyond \
+         gate.max_state_disagreement = {}, and no other peer serves one: which to trust \
+         cannot be told",
+        sources.join(", "),
+        gate.max_state_disagreement
+    )
+}
+
+/// The mean of the `kept` states, on a blocking thread.
+async fn mean_of(
+    fetched: Vec<FetchedState>,
+    kept: Vec<usize>,
+    refused: Vec<RefusedPayload>,
+) -> anyhow::Result<SyncedState> {
+    tokio::task::spawn_blocking(move || {
+        let sets: Vec<&TensorSet> = kept.iter().map(|&i| &fetched[i].state).collect();
+        let state = TensorSet::mean(&sets)
+            .ok_or_else(|| anyhow!("state sync: the kept states' tables differ"))?;
+        Ok(SyncedState {
+            round: kept.iter().map(|&i| fetched[i].round).max().unwrap_or(0),
+            state,
+            sources: kept.iter().map(|&i| fetched[i].peer).collect(),
+            refused,
+            disagreement: 0.0,
+        })
+    })
+    .await?
 }
 
 impl SwarmNode {
@@ -184,44 +317,136 @@ impl JoinedNode {
         )
     }
 
-    /// Fetches the run's current state (checked against `table`, every value finite) from
-    /// the first topic peer outside `exclude` (the bootstrap nodes, which hold none) that
-    /// serves one, skipping a peer whose state holds a NaN or an infinity; `None`
-    /// when nobody does (a new run: start from the seed). Peers found through Kademlia
-    /// subscribe over a few heartbeats, so the topic is watched for up to 20 s.
-    pub async fn fetch_state(
+    /// The state a late joiner starts from, fetched from up to [`STATE_SOURCES`] live peers
+    /// and checked as untrusted input. Each state is checked against `table` and for NaN
+    /// and infinity; the finite ones are measured against each other (torch-free, on the
+    /// raw bytes, off the async runtime's threads) and judged by
+    /// [`judge_state_sources`]: the joiner starts from the mean of the largest group that
+    /// agree within `gate.max_state_disagreement`, and when the states split it asks more
+    /// peers, up to [`MAX_STATE_PEERS_ASKED`] in all, before giving up with an error. A
+    /// single source is taken unchecked (the report says so). `Ok(None)` when nobody
+    /// serves a state (a new run: start from the seed). Peers are asked in random order,
+    /// outside `exclude` (the bootstrap nodes, which hold none); peers found through
+    /// Kademlia subscribe over a few heartbeats, so the topic is watched for up to 20 s.
+    pub async fn sync_state(
         &self,
         exclude: &[PeerId],
         table: Arc<Vec<TensorSpec>>,
-    ) -> Option<FetchedState> {
+        gate: &GateConfig,
+    ) -> anyhow::Result<Option<SyncedState>> {
+        let mut peers = self.state_candidates(exclude, &[]).await;
+        peers.truncate(MAX_STATE_PEERS_ASKED);
+
+        let mut fetched: Vec<FetchedState> = Vec::new();
+        let mut refused = Vec::new();
+        let mut asked = 0;
+        let mut wanted = STATE_SOURCES;
+        loop {
+            while fetched.len() < wanted && asked < peers.len() {
+                let batch = &peers[asked..(asked + wanted - fetched.len()).min(peers.len())];
+                asked += batch.len();
+                let answers = futures::future::join_all(batch.iter().map(|&peer| {
+                    let table = table.clone();
+                    async move {
+                        let answer = self
+                            .service
+                            .fetch_state(peer, Some(table), Duration::from_secs(120))
+                            .await;
+                        (peer, answer)
+                    }
+                }))
+                .await;
+                for (peer, answer) in answers {
+                    match answer {
+                        Ok((round, state)) => match state.first_non_finite() {
+                            Some(tensor) => {
+                                let reason = format!(
+                                    "state sync: tensor {tensor} holds a NaN or an infinity"
+                                );
+                                tracing::warn!(%peer, refusal = "non_finite", "refused the peer's state: {reason}");
+                                refused.push(RefusedPayload {
+                                    peer: peer.to_string(),
+                                    kind: "non_finite".into(),
+                                    reason,
+                                });
+                            }
+                            None => fetched.push(FetchedState { peer, round, state }),
+                        },
+                        Err(e) => tracing::info!(%peer, error = %e, "no state from this peer"),
+                    }
+                }
+            }
+            if fetched.is_empty() {
+                return Ok(None);
+            }
+            let judged = judge_fetched(gate.clone(), fetched).await?;
+            fetched = judged.fetched;
+            let relative = judged.relative;
+            match judged.verdict {
+                StateVerdict::Agreed { kept, outvoted } => {
+                    for &i in &outvoted {
+                        let reason = format!(
+                            "state sync: the state disagrees with the {} sources that agree \
+                             (beyond gate.max_state_disagreement = {})",
+                            kept.len(),
+                            gate.max_state_disagreement
+                        );
+                        tracing::warn!(peer = %fetched[i].peer, refusal = "state_disagrees", "refused the peer's state: {reason}");
+                        refused.push(RefusedPayload {
+                            peer: fetched[i].peer.to_string(),
+                            kind: "state_disagrees".into(),
+                            reason,
+                        });
+                    }
+                    let disagreement = kept
+                        .iter()
+                        .flat_map(|&a| kept.iter().map(move |&b| (a, b)))
+                        .map(|(a, b)| relative[a][b])
+                        .fold(0.0, f64::max);
+                    let mut synced = mean_of(fetched, kept, refused).await?;
+                    synced.disagreement = disagreement;
+                    return Ok(Some(synced));
+                }
+                StateVerdict::Unchecked => {
+                    tracing::warn!(
+                        peer = %fetched[0].peer,
+                        "state sync: one source only; its state is not cross-checked"
+                    );
+                    return Ok(Some(mean_of(fetched, vec![0], refused).await?));
+                }
+                StateVerdict::Split => {
+                    if asked == peers.len() && peers.len() < MAX_STATE_PEERS_ASKED {
+                        // Peers that subscribed since, to break the tie.
+                        let more = self.state_candidates(exclude, &peers).await;
+                        peers.extend(more);
+                        peers.truncate(MAX_STATE_PEERS_ASKED);
+                    }
+                    if asked == peers.len() {
+                        bail!(split_error(&fetched, gate));
+                    }
+                    wanted = fetched.len() + 1;
+                }
+            }
+        }
+    }
+
+    /// Topic peers to ask for their state, outside `exclude` and `known`, in random order.
+    /// Peers found through Kademlia subscribe over a few heartbeats: the topic is watched
+    /// until [`STATE_SOURCES`] are there, or for 5 s once there is one, or for 20 s.
+    async fn state_candidates(&self, exclude: &[PeerId], known: &[PeerId]) -> Vec<PeerId> {
+        let started = std::time::Instant::now();
         let mut peers = Vec::new();
-        for _ in 0..100 {
+        while started.elapsed() < Duration::from_secs(20) {
             peers = self.client.topic_peers().await.unwrap_or_default();
-            peers.retain(|p| !exclude.contains(p));
-            if !peers.is_empty() {
+            peers.retain(|p| !exclude.contains(p) && !known.contains(p));
+            let enough = known.len() + peers.len() >= STATE_SOURCES;
+            if enough || (!peers.is_empty() && started.elapsed() >= Duration::from_secs(5)) {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
-        for peer in peers {
-            match self
-                .service
-                .fetch_state(peer, Some(table.clone()), Duration::from_secs(120))
-                .await
-            {
-                Ok((round, state)) => match state.first_non_finite() {
-                    // Well formed, but poison: ask the next peer.
-                    Some(tensor) => tracing::warn!(
-                        %peer,
-                        tensor,
-                        "refused the peer's state: it holds a NaN or an infinity"
-                    ),
-                    None => return Some(FetchedState { peer, round, state }),
-                },
-                Err(e) => tracing::info!(%peer, error = %e, "no state from this peer"),
-            }
-        }
-        None
+        peers.shuffle(&mut rand::rng());
+        peers
     }
 
     /// Takes part in rounds until `options.rounds` are done or `stop` is cancelled (see

@@ -34,6 +34,48 @@ impl Tensor {
         }
     }
 
+    /// Its elements as f32 when it is a floating-point tensor (fp32, bf16 and fp16 decoded
+    /// from the raw little-endian bytes), `None` for an integer one.
+    pub fn floats(&self) -> Option<Vec<f32>> {
+        let values = match self.dtype {
+            DType::F32 => self
+                .data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            DType::Bf16 => self
+                .data
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            DType::F16 => self
+                .data
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            _ => return None,
+        };
+        Some(values)
+    }
+
+    /// `values` encoded in this tensor's floating-point dtype (rounded to nearest for bf16
+    /// and fp16); `None` for an integer dtype.
+    fn encode_floats(dtype: DType, values: &[f32]) -> Option<Vec<u8>> {
+        let bytes = match dtype {
+            DType::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::Bf16 => values
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect(),
+            DType::F16 => values
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+                .collect(),
+            _ => return None,
+        };
+        Some(bytes)
+    }
+
     /// A tensor whose byte length matches `shape` and `dtype`, or an error naming the mismatch.
     pub fn new(
         name: impl Into<String>,
@@ -108,6 +150,87 @@ impl TensorSet {
             .map(|t| t.name.as_str())
     }
 
+    /// `‖s‖`: the L2 norm over every floating-point tensor, summed in f64.
+    pub fn norm(&self) -> f64 {
+        self.norm_where(|_| true)
+    }
+
+    /// The L2 norm over the floating-point tensors `part` picks.
+    pub fn norm_where(&self, part: impl Fn(&Tensor) -> bool) -> f64 {
+        self.tensors
+            .iter()
+            .filter(|t| part(t))
+            .filter_map(Tensor::floats)
+            .flatten()
+            .map(|v| f64::from(v) * f64::from(v))
+            .sum::<f64>()
+            .sqrt()
+    }
+
+    /// `‖self − other‖` over every floating-point tensor; `None` when the two tables differ.
+    pub fn distance(&self, other: &TensorSet) -> Option<f64> {
+        self.distance_where(other, |_| true)
+    }
+
+    /// `‖self − other‖` over the floating-point tensors `part` picks; `None` when the two
+    /// tables differ.
+    pub fn distance_where(&self, other: &TensorSet, part: impl Fn(&Tensor) -> bool) -> Option<f64> {
+        if self.specs() != other.specs() {
+            return None;
+        }
+        let mut sum = 0.0f64;
+        for (a, b) in self
+            .tensors
+            .iter()
+            .zip(&other.tensors)
+            .filter(|(a, _)| part(a))
+        {
+            if let (Some(a), Some(b)) = (a.floats(), b.floats()) {
+                sum += a
+                    .iter()
+                    .zip(&b)
+                    .map(|(x, y)| {
+                        let d = f64::from(*x) - f64::from(*y);
+                        d * d
+                    })
+                    .sum::<f64>();
+            }
+        }
+        Some(sum.sqrt())
+    }
+
+    /// The element-wise mean of `sets`, each floating-point tensor kept in its dtype
+    /// (summed in f64); integer tensors are the first set's. `None` when `sets` is empty or
+    /// the tables differ.
+    pub fn mean(sets: &[&TensorSet]) -> Option<TensorSet> {
+        let (first, rest) = sets.split_first()?;
+        let table = first.specs();
+        if rest.iter().any(|s| s.specs() != table) {
+            return None;
+        }
+        let count = sets.len() as f64;
+        let mut tensors = Vec::with_capacity(first.tensors.len());
+        for (i, tensor) in first.tensors.iter().enumerate() {
+            let Some(values) = tensor.floats() else {
+                tensors.push(tensor.clone());
+                continue;
+            };
+            let mut sum: Vec<f64> = values.into_iter().map(f64::from).collect();
+            for set in rest {
+                let other = set.tensors[i].floats()?;
+                for (acc, v) in sum.iter_mut().zip(other) {
+                    *acc += f64::from(v);
+                }
+            }
+            let mean: Vec<f32> = sum.iter().map(|v| (v / count) as f32).collect();
+            tensors.push(Tensor {
+                data: Tensor::encode_floats(tensor.dtype, &mean)?,
+                ..tensor.clone()
+            });
+        }
+        Some(TensorSet::new(tensors))
+    }
+
     /// The table a receiver of this set should expect.
     pub fn specs(&self) -> Vec<TensorSpec> {
         self.tensors.iter().map(Tensor::spec).collect()
@@ -180,6 +303,34 @@ mod tests {
         assert!(tensor("d", DType::F16, 0x7c00u16.to_le_bytes().to_vec()).holds_non_finite());
         assert!(!tensor("d", DType::F16, 0x7bffu16.to_le_bytes().to_vec()).holds_non_finite());
         assert!(!tensor("e", DType::U8, vec![0xff; 4]).holds_non_finite());
+    }
+
+    #[test]
+    fn norms_distances_and_means_are_read_from_the_raw_bytes_of_every_float_dtype() {
+        let set = |values: &[f32], dtype: DType| {
+            let tensor = Tensor {
+                name: "t".into(),
+                dtype,
+                shape: vec![values.len() as u64],
+                data: Tensor::encode_floats(dtype, values).unwrap(),
+            };
+            let ints = Tensor::new("i", DType::U8, vec![2], vec![7, 9]).unwrap();
+            TensorSet::new(vec![tensor, ints])
+        };
+        for dtype in [DType::F32, DType::Bf16, DType::F16] {
+            let a = set(&[3.0, 4.0], dtype);
+            let b = set(&[0.0, 0.0], dtype);
+            assert_eq!(a.norm(), 5.0, "{dtype:?}: integers do not count");
+            assert_eq!(a.distance(&b), Some(5.0));
+            let mean = TensorSet::mean(&[&a, &b, &set(&[3.0, 8.0], dtype)]).unwrap();
+            assert_eq!(mean.tensors[0].floats().unwrap(), vec![2.0, 4.0]);
+            assert_eq!(mean.tensors[0].dtype, dtype);
+            assert_eq!(mean.tensors[1], a.tensors[1]);
+        }
+        let other = set(&[1.0, 2.0, 3.0], DType::F32);
+        assert_eq!(set(&[1.0, 2.0], DType::F32).distance(&other), None);
+        assert!(TensorSet::mean(&[&set(&[1.0, 2.0], DType::F32), &other]).is_none());
+        assert!(TensorSet::mean(&[]).is_none());
     }
 
     #[test]

@@ -105,19 +105,21 @@ async fn a_state_request_waits_for_the_state_the_next_outer_step_makes() {
     assert!(got == *state);
 }
 
-/// Three nodes wired as `join` wires them: a joiner asks for the state while one source serves
-/// a well-formed state holding a NaN and the other none yet, then while the other serves a
-/// good one. The poisoned state is never handed over.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_joiner_skips_a_source_whose_state_holds_a_nan() {
+/// Source nodes and a joiner wired as `join` wires them, in one run whose first round is
+/// far in the future (nobody takes part in a round, so states are served at once).
+async fn sources_and_joiner(
+    sources: usize,
+) -> (
+    Vec<gasloc_p2p::swarm_node::JoinedNode>,
+    gasloc_p2p::swarm_node::JoinedNode,
+) {
     use gasloc_p2p::local_swarm::local_config;
     use gasloc_p2p::network::unix_ms;
     use gasloc_p2p::schedule::Timing;
-    use gasloc_p2p::swarm_node::{JoinedNode, SwarmNode};
+    use gasloc_p2p::swarm_node::SwarmNode;
     use gasloc_proto::topology::Topology;
     init_tracing();
     let run_id = gasloc_proto::RunId::from_bytes([3; 32]);
-    // Far in the future: nobody takes part in a round, so states are served at once.
     let timing = Timing {
         genesis_ms: unix_ms() + 3_600_000,
         period_ms: 10_000,
@@ -136,45 +138,117 @@ async fn a_joiner_skips_a_source_whose_state_holds_a_nan() {
     let hub: libp2p::Multiaddr = format!("{}/p2p/{}", first.listen_addrs()[0], first.peer_id())
         .parse()
         .unwrap();
-    let poisoned: JoinedNode = first.join_run(run_id, timing.clone()).await.unwrap();
-    let honest = start(vec![hub.clone()]).await;
-    let honest = honest.join_run(run_id, timing.clone()).await.unwrap();
+    let mut nodes = vec![first.join_run(run_id, timing.clone()).await.unwrap()];
+    for _ in 1..sources {
+        let node = start(vec![hub.clone()]).await;
+        nodes.push(node.join_run(run_id, timing.clone()).await.unwrap());
+    }
     let joiner = start(vec![hub]).await;
     let joiner = joiner.join_run(run_id, timing).await.unwrap();
     joiner
-        .wait_for_topic_peers(2, Duration::from_secs(20))
+        .wait_for_topic_peers(sources, Duration::from_secs(20))
         .await
         .unwrap();
+    (nodes, joiner)
+}
 
-    // Finite values (random bytes would hold NaN patterns).
-    let floats = |n: usize| {
+/// A state of two f32 tensors, `value(i)` at element i.
+fn state_of(value: impl Fn(usize) -> f32) -> TensorSet {
+    use gasloc_p2p::tensors::Tensor;
+    let floats = |n: usize, offset: usize| {
         (0..n)
-            .flat_map(|i| (i as f32 * 0.25).to_le_bytes())
+            .flat_map(|i| value(offset + i).to_le_bytes())
             .collect()
     };
-    let good = TensorSet::new(vec![
-        gasloc_p2p::tensors::Tensor::new("anchor.a", DType::F32, vec![512], floats(512)).unwrap(),
-        gasloc_p2p::tensors::Tensor::new("anchor.b", DType::F32, vec![256], floats(256)).unwrap(),
-    ]);
-    let mut bad = good.clone();
-    bad.tensors[1].data[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
-    let serve = |set: &TensorSet| {
+    TensorSet::new(vec![
+        Tensor::new("anchor.a", DType::F32, vec![512], floats(512, 0)).unwrap(),
+        Tensor::new("anchor.b", DType::F32, vec![256], floats(256, 512)).unwrap(),
+    ])
+}
+
+fn serve(node: &gasloc_p2p::swarm_node::JoinedNode, round: u64, set: &TensorSet) {
+    node.exchange_service().set_state(
+        round,
         Arc::new(OutgoingPayload::new(
             PayloadKind::State,
             Arc::new(set.clone()),
             SendOptions::default(),
-        ))
-    };
-    poisoned.exchange_service().set_state(4, serve(&bad));
-    let table = Arc::new(good.specs());
-    let fetched = joiner.fetch_state(&[], table.clone()).await;
-    assert!(fetched.is_none(), "the poisoned state was taken");
+        )),
+    );
+}
 
-    honest.exchange_service().set_state(4, serve(&good));
-    let fetched = joiner
-        .fetch_state(&[], table)
+/// Three sources: two honest ones a little apart (as GASLoC anchors are) and one serving a
+/// finite state with a tensor scaled × 1000, the attack that destroyed a demo run. The
+/// joiner outvotes the poisoned state, says why, and starts from the honest sources' mean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_outvotes_a_poisoned_state_and_starts_from_the_mean_of_the_honest_ones() {
+    let (sources, joiner) = sources_and_joiner(3).await;
+    let honest_a = state_of(|i| 1.0 + i as f32 * 0.001);
+    let honest_b = state_of(|i| 1.02 + i as f32 * 0.001);
+    let mut poisoned = honest_a.clone();
+    poisoned.tensors[1].data = honest_a.tensors[1]
+        .floats()
+        .unwrap()
+        .iter()
+        .flat_map(|v| (v * 1000.0).to_le_bytes())
+        .collect();
+    serve(&sources[0], 5, &honest_a);
+    serve(&sources[1], 5, &poisoned);
+    serve(&sources[2], 6, &honest_b);
+    let table = Arc::new(honest_a.specs());
+    let gate = gasloc_proto::manifest::GateConfig::default();
+    let synced = joiner
+        .sync_state(&[], table, &gate)
         .await
+        .unwrap()
+        .expect("a state");
+    let mut kept = synced.sources.clone();
+    kept.sort();
+    let mut honest = vec![sources[0].peer_id(), sources[2].peer_id()];
+    honest.sort();
+    assert_eq!(kept, honest);
+    assert_eq!(synced.refused.len(), 1, "{:?}", synced.refused);
+    assert_eq!(synced.refused[0].peer, sources[1].peer_id().to_string());
+    assert_eq!(synced.refused[0].kind, "state_disagrees");
+    assert_eq!(synced.round, 6, "the latest round of the kept sources");
+    assert!(synced.state == TensorSet::mean(&[&honest_a, &honest_b]).unwrap());
+    assert_eq!(synced.report().sources.len(), 2);
+}
+
+/// A well-formed state holding a NaN is refused by name; the one finite source left is
+/// taken, and the joiner says it could not cross-check it. Two sources that disagree with
+/// nobody else to ask are an error, not a guess.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_refuses_a_nan_state_and_never_guesses_between_two_that_disagree() {
+    let (sources, joiner) = sources_and_joiner(2).await;
+    let good = state_of(|i| i as f32 * 0.25);
+    let mut bad = good.clone();
+    bad.tensors[1].data[8..12].copy_from_slice(&f32::NAN.to_le_bytes());
+    serve(&sources[0], 4, &bad);
+    serve(&sources[1], 4, &good);
+    let table = Arc::new(good.specs());
+    let gate = gasloc_proto::manifest::GateConfig::default();
+    let synced = joiner
+        .sync_state(&[], table.clone(), &gate)
+        .await
+        .unwrap()
         .expect("the good state");
-    assert_eq!(fetched.peer, honest.peer_id());
-    assert!(fetched.state == good);
+    assert_eq!(synced.sources, vec![sources[1].peer_id()]);
+    assert!(synced.state == good);
+    assert_eq!(synced.refused.len(), 1);
+    assert_eq!(synced.refused[0].kind, "non_finite");
+    assert!(
+        synced.refused[0].reason.contains("anchor.b"),
+        "{:?}",
+        synced.refused
+    );
+
+    // A finite state in another direction, of the same norm: one of the two lies.
+    serve(&sources[0], 4, &state_of(|i| -(i as f32) * 0.25));
+    let err = joiner
+        .sync_state(&[], table, &gate)
+        .await
+        .err()
+        .expect("no guess");
+    assert!(err.to_string().contains("max_state_disagreement"), "{err}");
 }

@@ -19,6 +19,11 @@
 //!
 //! A refused payload is mixed as missing: its weight returns to self
 //! (`Topology::round_row`), the round engine's rule.
+//!
+//! A joining node has no anchor to measure against, so the states it fetches from several
+//! live peers are measured against each other instead ([`judge_state_sources`]): it keeps
+//! the largest group that pairwise agree within `[gate] max_state_disagreement` and
+//! starts from their mean.
 
 use crate::manifest::GateConfig;
 use std::collections::VecDeque;
@@ -197,6 +202,131 @@ impl PayloadGate {
     }
 }
 
+/// Which of the states a joiner fetched it may start from (see [`judge_state_sources`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum StateVerdict {
+    /// The sources `kept` (indices, ascending) pairwise agree: start from their mean. Each
+    /// of `outvoted` disagrees with at least one of them.
+    Agreed {
+        kept: Vec<usize>,
+        outvoted: Vec<usize>,
+    },
+    /// One source only: there is nothing to check it against.
+    Unchecked,
+    /// No two sources agree (or there are none), so which of them lies cannot be told.
+    Split,
+}
+
+/// A state's two parts, each measured: the anchor (`anchor.*` tensors) and the outer
+/// momentum (the rest). Used for norms and for distances between two states.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StateParts {
+    pub anchor: f64,
+    pub momentum: f64,
+}
+
+/// Whether two states agree. The anchors must point the same way:
+/// `‖θ_a − θ_b‖ ≤ ρ · max(‖θ_a‖, ‖θ_b‖)` with `ρ = [gate] max_state_disagreement`; honest
+/// anchors differ by the swarm's consensus distance. The outer momenta need only be of one
+/// size, within `[gate] max_distance_ratio` of each other: each integrates its own node's
+/// pseudo-gradients, so honest momenta differ by about as much as they measure. Every number
+/// must be finite.
+pub fn states_agree(
+    config: &GateConfig,
+    norm_a: StateParts,
+    norm_b: StateParts,
+    distance: StateParts,
+) -> bool {
+    let numbers = [
+        norm_a.anchor,
+        norm_a.momentum,
+        norm_b.anchor,
+        norm_b.momentum,
+        distance.anchor,
+        distance.momentum,
+    ];
+    if !numbers.iter().all(|n| n.is_finite()) {
+        return false;
+    }
+    let anchors =
+        distance.anchor <= config.max_state_disagreement * norm_a.anchor.max(norm_b.anchor);
+    let (small, large) = if norm_a.momentum <= norm_b.momentum {
+        (norm_a.momentum, norm_b.momentum)
+    } else {
+        (norm_b.momentum, norm_a.momentum)
+    };
+    let momenta = large <= config.max_distance_ratio * small;
+    anchors && momenta
+}
+
+/// Judges the states a joiner fetched, each already through the finiteness check:
+/// `norms[i]` measures state i and `distance(a, b)` the difference of states a and b. The
+/// verdict keeps the largest group of sources that pairwise agree ([`states_agree`]);
+/// between groups of one size, the one whose anchors lie closest together (the smallest
+/// largest distance), then the one fetched first. The joiner trusts the sources that agree,
+/// so an attacker must control more of them than the honest peers it was given. At most 16
+/// sources are considered (the joiner asks a few).
+pub fn judge_state_sources(
+    config: &GateConfig,
+    norms: &[StateParts],
+    distance: impl Fn(usize, usize) -> StateParts,
+) -> StateVerdict {
+    let n = norms.len().min(16);
+    match n {
+        0 => return StateVerdict::Split,
+        1 => return StateVerdict::Unchecked,
+        _ => {}
+    }
+    let mut agree = vec![vec![false; n]; n];
+    let mut dist = vec![vec![0.0f64; n]; n];
+    for a in 0..n {
+        for b in a + 1..n {
+            let d = distance(a, b);
+            (dist[a][b], dist[b][a]) = (d.anchor, d.anchor);
+            let ok = states_agree(config, norms[a], norms[b], d);
+            (agree[a][b], agree[b][a]) = (ok, ok);
+        }
+    }
+    // Every subset, as a bit mask; n ≤ 16 keeps this at most 65 536 small checks.
+    let mut best: Option<(usize, f64, u32)> = None;
+    for mask in 1u32..(1 << n) {
+        let members: Vec<usize> = (0..n).filter(|i| mask & (1 << i) != 0).collect();
+        if members.len() < 2 {
+            continue;
+        }
+        let mut diameter = 0.0f64;
+        let mut clique = true;
+        'pairs: for (i, &a) in members.iter().enumerate() {
+            for &b in &members[i + 1..] {
+                if !agree[a][b] {
+                    clique = false;
+                    break 'pairs;
+                }
+                diameter = diameter.max(dist[a][b]);
+            }
+        }
+        if !clique {
+            continue;
+        }
+        let better = match best {
+            None => true,
+            Some((size, d, _)) => members.len() > size || (members.len() == size && diameter < d),
+        };
+        if better {
+            best = Some((members.len(), diameter, mask));
+        }
+    }
+    match best {
+        Some((_, _, mask)) => StateVerdict::Agreed {
+            kept: (0..n).filter(|i| mask & (1 << i) != 0).collect(),
+            outvoted: (0..norms.len())
+                .filter(|&i| i >= n || mask & (1 << i) == 0)
+                .collect(),
+        },
+        None => StateVerdict::Split,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -315,6 +445,127 @@ mod tests {
         assert!(
             strict.judge_round(1.0, &[nan])[0].is_err(),
             "NaN is no cosine"
+        );
+    }
+
+    /// Parts with the given anchor value and a momentum of 1.
+    fn anchor(value: f64) -> StateParts {
+        StateParts {
+            anchor: value,
+            momentum: 1.0,
+        }
+    }
+
+    /// Three sources with momenta of norm 1 and `d_m = 1`, the anchor distances between
+    /// them given as `[d01, d02, d12]`.
+    fn three(norms: [f64; 3], d: [f64; 3]) -> StateVerdict {
+        let distance = |a: usize, b: usize| {
+            anchor(match (a.min(b), a.max(b)) {
+                (0, 1) => d[0],
+                (0, 2) => d[1],
+                _ => d[2],
+            })
+        };
+        judge_state_sources(&GateConfig::default(), &norms.map(anchor), distance)
+    }
+
+    #[test]
+    fn a_joiner_keeps_the_two_sources_that_agree_and_outvotes_a_scaled_state() {
+        // Sources 0 and 2 are honest (1 % apart); source 1 scaled a tensor × 1000.
+        let verdict = three([10.0, 9000.0, 10.1], [8990.0, 0.1, 8990.0]);
+        assert_eq!(
+            verdict,
+            StateVerdict::Agreed {
+                kept: vec![0, 2],
+                outvoted: vec![1]
+            }
+        );
+        // A state of honest norm in a random direction is as far as √2 of the norm.
+        let verdict = three([10.0, 10.0, 10.0], [14.1, 0.1, 14.1]);
+        assert!(matches!(verdict, StateVerdict::Agreed { ref kept, .. } if kept == &[0, 2]));
+    }
+
+    #[test]
+    fn honest_sources_in_consensus_all_count_and_one_source_is_unchecked() {
+        let verdict = three([10.0, 10.0, 10.0], [0.3, 0.2, 0.4]);
+        assert_eq!(
+            verdict,
+            StateVerdict::Agreed {
+                kept: vec![0, 1, 2],
+                outvoted: vec![]
+            }
+        );
+        assert_eq!(
+            judge_state_sources(&GateConfig::default(), &[anchor(10.0)], |_, _| anchor(0.0)),
+            StateVerdict::Unchecked
+        );
+        assert_eq!(
+            judge_state_sources(&GateConfig::default(), &[], |_, _| anchor(0.0)),
+            StateVerdict::Split
+        );
+    }
+
+    #[test]
+    fn sources_that_all_disagree_or_hold_a_non_finite_norm_give_no_verdict() {
+        assert_eq!(
+            three([10.0, 10.0, 10.0], [9.0, 9.0, 9.0]),
+            StateVerdict::Split
+        );
+        let two = |n: [f64; 2], d: f64| {
+            judge_state_sources(&GateConfig::default(), &n.map(anchor), |_, _| anchor(d))
+        };
+        assert_eq!(
+            two([10.0, 10.0], 9.0),
+            StateVerdict::Split,
+            "one of two lies"
+        );
+        assert_eq!(two([f64::INFINITY, 10.0], 0.0), StateVerdict::Split);
+        assert_eq!(two([10.0, 10.0], f64::NAN), StateVerdict::Split);
+    }
+
+    #[test]
+    fn momenta_must_be_of_one_size_but_may_point_anywhere() {
+        let config = GateConfig::default();
+        let state = |momentum: f64| StateParts {
+            anchor: 10.0,
+            momentum,
+        };
+        let apart = |momentum: f64| StateParts {
+            anchor: 0.1,
+            momentum,
+        };
+        // Honest momenta: as far apart as they are long.
+        assert!(states_agree(&config, state(2.0), state(3.0), apart(4.0)));
+        // A momentum scaled × 1000 behind an honest anchor.
+        assert!(!states_agree(
+            &config,
+            state(2.0),
+            state(2000.0),
+            apart(2000.0)
+        ));
+        assert!(!states_agree(&config, state(0.0), state(1.0), apart(1.0)));
+        assert!(
+            states_agree(&config, state(0.0), state(0.0), apart(0.0)),
+            "round 0"
+        );
+        assert!(!states_agree(
+            &config,
+            state(2.0),
+            state(2.0),
+            apart(f64::NAN)
+        ));
+    }
+
+    #[test]
+    fn between_two_agreeing_pairs_the_tighter_one_wins() {
+        // 1 agrees with 0 (distance 2.0) and with 2 (distance 0.5); 0 and 2 disagree.
+        let verdict = three([10.0, 10.0, 10.0], [2.0, 6.0, 0.5]);
+        assert_eq!(
+            verdict,
+            StateVerdict::Agreed {
+                kept: vec![1, 2],
+                outvoted: vec![0]
+            }
         );
     }
 }

@@ -216,6 +216,19 @@ pub struct GateConfig {
     /// check off.
     #[serde(default = "default_min_cosine")]
     pub min_cosine: f64,
+    /// ρ: two states a joiner fetched agree when their anchors lie within
+    /// `‖θ_a − θ_b‖ ≤ ρ · max(‖θ_a‖, ‖θ_b‖)` (and their outer momenta's norms within
+    /// `max_distance_ratio` of each other). A joiner starts from the mean of the largest group
+    /// of sources that pairwise agree.
+    #[serde(default = "default_max_state_disagreement")]
+    pub max_state_disagreement: f64,
+    /// A peer is banned for the rest of the run after this many offences (a refused
+    /// payload or state, a withheld reveal) within [`Self::ban_window_rounds`]; 0: never.
+    #[serde(default = "default_ban_after_offences")]
+    pub ban_after_offences: u32,
+    /// The rounds offences are counted over.
+    #[serde(default = "default_ban_window_rounds")]
+    pub ban_window_rounds: u64,
 }
 
 impl Default for GateConfig {
@@ -224,6 +237,9 @@ impl Default for GateConfig {
             max_distance_ratio: default_max_distance_ratio(),
             median_window: default_median_window(),
             min_cosine: default_min_cosine(),
+            max_state_disagreement: default_max_state_disagreement(),
+            ban_after_offences: default_ban_after_offences(),
+            ban_window_rounds: default_ban_window_rounds(),
         }
     }
 }
@@ -236,6 +252,15 @@ fn default_median_window() -> u64 {
 }
 fn default_min_cosine() -> f64 {
     -1.0
+}
+fn default_max_state_disagreement() -> f64 {
+    0.5
+}
+fn default_ban_after_offences() -> u32 {
+    3
+}
+fn default_ban_window_rounds() -> u64 {
+    20
 }
 
 /// Validation during training.
@@ -693,6 +718,15 @@ impl RunManifest {
                 format!("= {} must lie in [-1, 1] (-1: off)", g.min_cosine),
             ));
         }
+        if !(g.max_state_disagreement > 0.0 && g.max_state_disagreement <= 2.0) {
+            return Err((
+                "gate.max_state_disagreement",
+                format!("= {} must lie in (0, 2]", g.max_state_disagreement),
+            ));
+        }
+        if g.ban_window_rounds == 0 {
+            return Err(("gate.ban_window_rounds", "must be at least 1".into()));
+        }
         Ok(())
     }
 
@@ -969,6 +1003,9 @@ decay_steps = 100
         assert!(gate("max_distance_ratio = inf").contains("gate.max_distance_ratio"));
         assert!(gate("median_window = 0").contains("gate.median_window"));
         assert!(gate("min_cosine = 1.5").contains("gate.min_cosine"));
+        assert!(gate("max_state_disagreement = 0").contains("gate.max_state_disagreement"));
+        assert!(gate("max_state_disagreement = nan").contains("gate.max_state_disagreement"));
+        assert!(gate("ban_window_rounds = 0").contains("gate.ban_window_rounds"));
         assert!(gate("max_ratio = 3.0").contains("max_ratio"));
     }
 }

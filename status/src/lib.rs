@@ -14,5 +14,6 @@ pub mod snapshot;
 pub use metrics::{BootstrapMetrics, NodeMetrics};
 pub use server::StatusServer;
 pub use snapshot::{
-    BootstrapStatus, NodeState, NodeStatus, Reachability, RefusedPayload, RoundRecord,
+    BannedPeer, BootstrapStatus, NodeState, NodeStatus, Reachability, RefusedPayload, RoundRecord,
+    StateSyncReport,
 };

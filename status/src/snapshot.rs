@@ -101,6 +101,8 @@ pub struct RoundRecord {
     pub refused: Vec<RefusedPayload>,
     /// Neighbours that failed, with the reason.
     pub failed: Vec<(String, String)>,
+    /// Peers that committed to the round but withheld their reveal (excluded from it).
+    pub withheld: Vec<String>,
     /// The weights applied, `(peer, weight)`, this node first: the round topology's row
     /// with the weight of every neighbour that sent nothing usable returned to self.
     pub mixing: Vec<(String, f64)>,
@@ -195,9 +197,61 @@ pub struct NodeStatus {
     pub refusals: BTreeMap<String, BTreeMap<String, u64>>,
     /// Recent rounds, oldest first, at most [`HISTORY_ROUNDS`].
     pub history: VecDeque<RoundRecord>,
+    /// How this node's starting state was chosen, when it joined a run under way.
+    pub state_sync: Option<StateSyncReport>,
+    /// Peers this node banned for the rest of the run (kept in its home across restarts).
+    pub banned: Vec<BannedPeer>,
+    /// Offences per peer within the ban window, as its gossipsub application score
+    /// (0: none; minus one per offence).
+    pub scores: BTreeMap<String, f64>,
+}
+
+/// A peer banned for the rest of the run: its connections are refused, it is no neighbour
+/// to mix with, and its gossipsub score is the lowest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct BannedPeer {
+    pub peer: String,
+    /// The round of the offence that banned it.
+    pub round: u64,
+    /// The offences within the window, `round:kind`, oldest first.
+    pub offences: Vec<String>,
+}
+
+/// A late joiner's state sync: the sources it started from and the ones it refused.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct StateSyncReport {
+    /// The round the state begins.
+    pub round: u64,
+    /// The peers whose states agreed and were averaged; one alone was not cross-checked.
+    pub sources: Vec<String>,
+    /// States refused: `non_finite`, or `state_disagrees` (outvoted by the sources that
+    /// agree with each other).
+    pub refused: Vec<RefusedPayload>,
+    /// The largest relative distance `‖θ_a − θ_b‖ / max(‖θ_a‖, ‖θ_b‖)` between the anchors
+    /// of two kept sources (0 for one source).
+    pub disagreement: f64,
 }
 
 impl NodeStatus {
+    /// Keeps the state sync's report, counting its refusals with the rounds'.
+    pub fn record_state_sync(&mut self, report: StateSyncReport) {
+        for refused in &report.refused {
+            self.count_refusal(refused);
+        }
+        self.state_sync = Some(report);
+    }
+
+    fn count_refusal(&mut self, refused: &RefusedPayload) {
+        *self
+            .refusals
+            .entry(refused.peer.clone())
+            .or_default()
+            .entry(refused.kind.clone())
+            .or_default() += 1;
+    }
+
     /// Appends a finished round to the history (dropping the oldest beyond the cap) and
     /// adds its traffic and waiting to the totals.
     pub fn record_round(&mut self, record: RoundRecord) {
@@ -205,12 +259,7 @@ impl NodeStatus {
         self.bytes_received += record.bytes_received;
         self.wait_s += record.wait_s;
         for refused in &record.refused {
-            *self
-                .refusals
-                .entry(refused.peer.clone())
-                .or_default()
-                .entry(refused.kind.clone())
-                .or_default() += 1;
+            self.count_refusal(refused);
         }
         if record.train_loss.is_some() {
             self.train_loss = record.train_loss;

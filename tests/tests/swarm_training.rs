@@ -3,7 +3,8 @@
 //! During the run
 //! - node 4 is killed with SIGKILL; the others keep completing rounds, and restarted it
 //!   resumes from its own checkpoint and rejoins;
-//! - a fifth node joins mid-run, syncs the anchor from a live peer and trains from it;
+//! - a fifth node joins mid-run, syncs the anchor from the live peers (their states agree,
+//!   none is refused) and trains from their mean;
 //! - node 2's upload is capped (`--max-upload-rate`): it predicts its slow exchanges and
 //!   gives its inner steps less of each round (H_i goes down).
 //!
@@ -110,6 +111,12 @@ fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
     let synced = late.wait_for_line("state_synced_from=", long);
     let synced_round: u64 = field(&synced, "round").unwrap().parse().unwrap();
     assert!(synced_round >= 1, "{synced}");
+    eprintln!("{synced}");
+    // Three live sources (node 4 is away): their states, a little apart as one-peer
+    // anchors are, agree, and none is refused.
+    let sources: usize = field(&synced, "sources").unwrap().parse().unwrap();
+    assert!(sources >= 2, "cross-checked: {synced}");
+    assert_eq!(field(&synced, "refused"), Some(""), "{synced}");
 
     // Others keep completing rounds meanwhile.
     std::thread::sleep(Duration::from_secs(8));
