@@ -158,6 +158,15 @@ async fn main() -> Result<()> {
     config.autonat_private_ips = args.autonat_private_ips;
     config.relay_max_circuits = args.relay_max_circuits;
     config.gossip_heartbeat = Duration::from_millis(200);
+    // A closed run: its nodes and the other bootstrap nodes of the run, no one else.
+    let other_bootstraps: Vec<libp2p::PeerId> = args
+        .peers
+        .iter()
+        .filter_map(gasloc_p2p::network::peer_id_of)
+        .chain(std::iter::once(keypair.public().to_peer_id()))
+        .collect();
+    config.allowed_peers = gasloc_p2p::access::allowed_peers(&manifest.access, &other_bootstraps)
+        .map_err(anyhow::Error::msg)?;
     let mut registry = prometheus_client::registry::Registry::default();
     let mut network = network::start_with_metrics(keypair, config, Some(&mut registry)).await?;
     let client = network.client.clone();

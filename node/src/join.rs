@@ -215,6 +215,7 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
     }
 
     let (manifest, timing) = node.fetch_manifest(&bootstrap_peers, args.run_id).await?;
+    node.close_run(&manifest, &bootstrap_peers).await?;
     let run_id = manifest.run_id();
     println!("run_id={run_id} name={}", manifest.name);
 

@@ -46,6 +46,19 @@ enum Command {
     Join(Box<JoinArgs>),
     /// Print a running node's status (its --status-addr) in the terminal.
     Status(StatusArgs),
+    /// Print this node's peer id (for a closed run's `[access] peers`), making its identity
+    /// key first if there is none.
+    Identity(IdentityArgs),
+}
+
+#[derive(Args)]
+struct IdentityArgs {
+    /// The node's directory, as for `join` (its key: <home>/identity.key).
+    #[arg(long, default_value = "gasloc-home")]
+    home: PathBuf,
+    /// The identity key file (default: <home>/identity.key).
+    #[arg(long)]
+    identity: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -197,6 +210,14 @@ fn main() {
         Command::Join(args) => gasloc_node::join::run(*args),
         Command::Status(args) => gasloc_status::client::fetch_status(&args.addr)
             .map(|s| print!("{}", gasloc_status::client::format_status(&s))),
+        Command::Identity(args) => {
+            let path = args
+                .identity
+                .unwrap_or_else(|| args.home.join("identity.key"));
+            gasloc_p2p::identity::load_or_create(&path)
+                .map(|key| println!("peer_id={}", key.public().to_peer_id()))
+                .map_err(anyhow::Error::from)
+        }
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -4,7 +4,7 @@
 //! keeps idle connections for 10 minutes and QUIC keeps connections alive with 10 s pings
 //! inside a 60 s idle timeout.
 
-use libp2p::Multiaddr;
+use libp2p::{Multiaddr, PeerId};
 use std::time::Duration;
 
 /// What a swarm is for: a volunteer node or an always-on bootstrap node.
@@ -59,6 +59,9 @@ pub struct NetworkConfig {
     /// undecodable and its stream is dropped with every message in it, so it must be far
     /// above `control_max_bytes` (a swarm of n nodes gossips about 3·n ids per round).
     pub gossip_max_frame_bytes: usize,
+    /// A closed run's allow-list (`access.rs`): only these peers may connect. `None`: open
+    /// (a node learns the list with the manifest and closes its access then).
+    pub allowed_peers: Option<std::collections::HashSet<PeerId>>,
     /// Control messages accepted per peer within `control_rate_window`.
     pub control_rate_burst: u32,
     pub control_rate_window: Duration,
@@ -91,6 +94,7 @@ impl NetworkConfig {
             gossip_heartbeat: Duration::from_millis(500),
             control_max_bytes: 4096,
             gossip_max_frame_bytes: 1 << 20,
+            allowed_peers: None,
             control_rate_burst: 64,
             control_rate_window: Duration::from_secs(10),
             relay_max_circuits: 64,

@@ -19,6 +19,7 @@
 pub use libp2p::identity::Keypair;
 pub use libp2p::{Multiaddr, PeerId};
 
+pub mod access;
 pub mod config;
 pub mod control;
 pub mod driver;

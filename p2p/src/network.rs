@@ -132,6 +132,10 @@ pub enum Command {
     Ban {
         peer: PeerId,
     },
+    /// Close the run to every peer outside `allowed` (see [`crate::access`]).
+    CloseRun {
+        allowed: std::collections::HashSet<PeerId>,
+    },
     /// Set `peer`'s gossipsub application score.
     SetScore {
         peer: PeerId,
@@ -230,6 +234,18 @@ impl Client {
     pub async fn ban(&self, peer: PeerId) -> Result<(), ClientError> {
         self.commands
             .send(Command::Ban { peer })
+            .await
+            .map_err(|_| ClientError::NetworkStopped)
+    }
+
+    /// Closes the run to every peer outside `allowed`: their connections are closed and
+    /// refused from now on.
+    pub async fn close_run(
+        &self,
+        allowed: std::collections::HashSet<PeerId>,
+    ) -> Result<(), ClientError> {
+        self.commands
+            .send(Command::CloseRun { allowed })
             .await
             .map_err(|_| ClientError::NetworkStopped)
     }
@@ -511,6 +527,7 @@ impl EventLoop {
                     .gossipsub
                     .set_application_score(&peer, crate::peer_standing::BANNED_SCORE);
             }
+            Command::CloseRun { allowed } => self.swarm.behaviour_mut().access.close(allowed),
             Command::SetScore { peer, score } => {
                 self.swarm
                     .behaviour_mut()

@@ -21,6 +21,8 @@ pub const IDENTIFY_PROTOCOL: &str = "/gasloc/1";
 /// The behaviours of a gasloc process. Role-specific parts are toggled off elsewhere.
 #[derive(NetworkBehaviour)]
 pub struct GaslocBehaviour {
+    /// Who may connect: everyone, or a closed run's allow-list.
+    pub access: crate::access::RunAccess,
     /// Peers this node banned (`peer_standing`): their connections are denied.
     pub blocked: allow_block_list::Behaviour<allow_block_list::BlockedPeers>,
     pub connection_limits: connection_limits::Behaviour,
@@ -158,6 +160,7 @@ fn build_behaviour(
     };
 
     Ok(GaslocBehaviour {
+        access: crate::access::RunAccess::new(config.allowed_peers.clone()),
         blocked: allow_block_list::Behaviour::default(),
         connection_limits: connection_limits::Behaviour::new(limits),
         memory_limits: memory_connection_limits::Behaviour::with_max_percentage(

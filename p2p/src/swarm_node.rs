@@ -263,6 +263,35 @@ impl SwarmNode {
         bail!("could not fetch the run manifest: {last_error}")
     }
 
+    /// Closes this node to every peer outside a closed run's allow-list (the manifest's
+    /// `[access] peers`, and `bootstrap_peers`); nothing for an open run. An error when this
+    /// node is not on the list itself, or the list holds something that is no peer id.
+    pub async fn close_run(
+        &self,
+        manifest: &RunManifest,
+        bootstrap_peers: &[PeerId],
+    ) -> anyhow::Result<()> {
+        let Some(allowed) = crate::access::allowed_peers(&manifest.access, bootstrap_peers)
+            .map_err(|e| anyhow!(e))?
+        else {
+            return Ok(());
+        };
+        let me = self.peer_id();
+        if !allowed.contains(&me) {
+            bail!(
+                "run {} is closed and this node ({me}) is not on its allow-list \
+                 ([access] peers in the manifest)",
+                manifest.name
+            );
+        }
+        tracing::info!(
+            peers = allowed.len(),
+            "closed run: only its allow-list may connect"
+        );
+        self.network.client.close_run(allowed).await?;
+        Ok(())
+    }
+
     /// Joins run `run_id`: subscribes to its topic, checking control messages against
     /// `timing`'s round window, and serves exchanges (a partner is waited for up to one
     /// exchange timeout) and state requests.

@@ -513,6 +513,26 @@ struct ManifestFile {
     lordo: LordoConfig,
     #[serde(default)]
     gate: GateConfig,
+    #[serde(default)]
+    access: AccessConfig,
+}
+
+/// `[access]`: who may take part. Absent or empty: an open run, anyone may join. A closed
+/// run lists the peer ids (base58, as `gasloc-node` prints them) of every node and bootstrap
+/// node; the list is part of the run id, and every node refuses connections from peers not
+/// on it (`p2p/src/access.rs`).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AccessConfig {
+    #[serde(default)]
+    pub peers: Vec<String>,
+}
+
+impl AccessConfig {
+    /// An open run: no allow-list.
+    pub fn is_open(&self) -> bool {
+        self.peers.is_empty()
+    }
 }
 
 /// A resolved, validated run manifest.
@@ -528,6 +548,9 @@ pub struct RunManifest {
     pub outer: OuterConfig,
     pub lordo: LordoConfig,
     pub gate: GateConfig,
+    /// Left out of the canonical bytes of an open run (so open runs' ids do not depend on it).
+    #[serde(default, skip_serializing_if = "AccessConfig::is_open")]
+    pub access: AccessConfig,
 }
 
 impl RunManifest {
@@ -563,6 +586,7 @@ impl RunManifest {
             outer,
             lordo: file.lordo,
             gate: file.gate,
+            access: file.access,
         };
         manifest.validate().map_err(|(k, m)| invalid(k, m))?;
         Ok(manifest)
@@ -698,7 +722,25 @@ impl RunManifest {
             return Err(("eval.interval", "must be at least 1".into()));
         }
         self.validate_outer()?;
-        self.validate_gate()
+        self.validate_gate()?;
+        self.validate_access()
+    }
+
+    fn validate_access(&self) -> Result<(), (&'static str, String)> {
+        let base58 = |c: char| c.is_ascii_alphanumeric() && !"0OIl".contains(c);
+        let mut seen = std::collections::HashSet::new();
+        for peer in &self.access.peers {
+            if !(32..=128).contains(&peer.len()) || !peer.chars().all(base58) {
+                return Err((
+                    "access.peers",
+                    format!("{peer:?} is not a peer id (base58, as gasloc-node prints it)"),
+                ));
+            }
+            if !seen.insert(peer) {
+                return Err(("access.peers", format!("{peer} is listed twice")));
+            }
+        }
+        Ok(())
     }
 
     fn validate_gate(&self) -> Result<(), (&'static str, String)> {
@@ -981,6 +1023,30 @@ decay_steps = 100
         assert!(lordo("omega = 0.0").contains("lordo.omega"));
         assert!(lordo("omega = 1.5").contains("lordo.omega"));
         assert!(lordo("full_sync_every = 0").contains("lordo.full_sync_every"));
+    }
+
+    #[test]
+    fn an_allow_list_closes_the_run_and_is_part_of_its_id() {
+        let open = RunManifest::parse(TINY, "x").unwrap();
+        assert!(open.access.is_open());
+        let peer = "12D3KooWKeviigG7NWus8RSvzgfSEtVDeNBh3PeDQFsFvE39STue";
+        let closed =
+            RunManifest::parse(&format!("{TINY}[access]\npeers = [\"{peer}\"]\n"), "x").unwrap();
+        assert_eq!(closed.access.peers, [peer]);
+        assert_ne!(closed.run_id(), open.run_id());
+        let empty = RunManifest::parse(&format!("{TINY}[access]\npeers = []\n"), "x").unwrap();
+        assert_eq!(
+            empty.run_id(),
+            open.run_id(),
+            "an empty list is an open run"
+        );
+        let bad = |list: &str| {
+            RunManifest::parse(&format!("{TINY}[access]\npeers = {list}\n"), "x")
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(bad("[\"not a peer\"]").contains("access.peers"));
+        assert!(bad(&format!("[\"{peer}\", \"{peer}\"]")).contains("listed twice"));
     }
 
     #[test]
