@@ -340,6 +340,7 @@ async fn honest_nodes_refuse_a_poisoning_peer_every_round_and_learn() {
             && metrics.contains("reason=\"too_far\""),
         "{metrics}"
     );
+    assert!(metrics.contains("gasloc_banned_peers 1"), "{metrics}");
     let banned = status["banned"].as_array().unwrap();
     assert_eq!(banned.len(), 1, "{}", status["banned"]);
     assert_eq!(banned[0]["peer"], adversary.as_str());

@@ -41,6 +41,8 @@ pub struct NodeMetrics {
     goodput: Family<PeerLabel, FloatGauge>,
     wait_ms: Counter,
     refused: Family<RefusalLabel, Counter>,
+    banned: Gauge,
+    score: Family<PeerLabel, FloatGauge>,
 }
 
 impl NodeMetrics {
@@ -89,6 +91,16 @@ impl NodeMetrics {
             "Neighbour payloads refused, per peer and reason",
             m.refused.clone(),
         );
+        r.register(
+            "banned_peers",
+            "Peers banned for the rest of the run",
+            m.banned.clone(),
+        );
+        r.register(
+            "peer_score",
+            "Gossipsub application score of each peer with offences (minus one per offence)",
+            m.score.clone(),
+        );
         m
     }
 
@@ -116,6 +128,12 @@ impl NodeMetrics {
                 };
                 advance(&self.refused.get_or_create(&label), *count);
             }
+        }
+        self.banned.set(s.banned.len() as i64);
+        for (peer, score) in &s.scores {
+            self.score
+                .get_or_create(&PeerLabel { peer: peer.clone() })
+                .set(*score);
         }
         for (peer, rate) in &s.goodput {
             self.goodput

@@ -26,6 +26,17 @@ fn sample_status() -> NodeStatus {
     };
     s.goodput
         .insert("12D3KooWPeerA00000001".into(), 12.5 * 1048576.0);
+    s.banned.push(gasloc_status::BannedPeer {
+        peer: "12D3KooWBadPeer000001".into(),
+        round: 2,
+        offences: vec![
+            "0:non_finite".into(),
+            "1:too_far".into(),
+            "2:too_far".into(),
+        ],
+    });
+    s.scores.insert("12D3KooWBadPeer000001".into(), -1000.0);
+    s.scores.insert("12D3KooWPeerB00000002".into(), -1.0);
     for round in 0..3u64 {
         s.record_round(RoundRecord {
             round,
@@ -100,6 +111,8 @@ async fn status_json_metrics_and_terminal_view_report_the_node() {
         "gasloc_sent_bytes_total 9437184",
         "gasloc_rounds_total 3",
         "gasloc_goodput_bytes_per_second{peer=\"12D3KooWPeerA00000001\"} 13107200.0",
+        "gasloc_banned_peers 1",
+        "gasloc_peer_score{peer=\"12D3KooWPeerB00000002\"} -1.0",
     ] {
         assert!(metrics.contains(line), "missing {line:?} in\n{metrics}");
     }
@@ -250,6 +263,10 @@ async fn dashboard_renders_in_headless_chromium() {
     );
     assert!(html.contains("<path d=\"M"), "no chart was drawn:\n{html}");
     assert!(html.contains("demo-shakespeare"));
+    assert!(
+        html.contains("12D3KooWBadPeer000001</td>") && html.contains("<td>banned</td>"),
+        "the ban is not on the dashboard:\n{html}"
+    );
 
     let (c, u, s) = (chromium.to_string(), url, shot.clone());
     let args = base_args(&prof);
