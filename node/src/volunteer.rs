@@ -32,7 +32,8 @@ use gasloc_data::stream::{Batch, WorkerSlot};
 use gasloc_p2p::network::unix_ms;
 use gasloc_p2p::tensors::{Tensor as WireTensor, TensorSet, TensorSpec};
 use gasloc_p2p::work::{
-    Candidate, Finished, Received, RoundWork, Screened, TrainOrder, Trained, WorkFuture,
+    Candidate, Finished, GateReading, Received, RoundWork, Screened, TrainOrder, Trained,
+    WorkFuture,
 };
 use gasloc_p2p::PeerId;
 use gasloc_proto::gate::{PayloadGate, PayloadStats, Refusal};
@@ -403,16 +404,29 @@ impl RoundTrainer {
             .iter()
             .filter_map(|m| m.as_ref().ok().cloned())
             .collect();
+        let reference = self.gate.reference(own_distance);
         let mut judged = self.gate.judge_round(own_distance, &stats).into_iter();
         let screened = candidates
             .into_iter()
             .zip(measured)
             .map(|(candidate, measured)| {
-                let verdict = match measured {
-                    Ok(_) => judged.next().expect("one verdict per measured payload"),
-                    Err(refusal) => Err(refusal),
+                let (verdict, reading) = match measured {
+                    Ok(stats) => (
+                        judged.next().expect("one verdict per measured payload"),
+                        Some(GateReading {
+                            peer: candidate.peer.to_string(),
+                            distance: stats.distance,
+                            reference,
+                            cosine: stats.cosine,
+                        }),
+                    ),
+                    Err(refusal) => (Err(refusal), None),
                 };
-                Screened { candidate, verdict }
+                Screened {
+                    candidate,
+                    verdict,
+                    reading,
+                }
             })
             .collect();
         Ok(screened)

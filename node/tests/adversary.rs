@@ -309,6 +309,19 @@ async fn honest_nodes_refuse_a_poisoning_peer_every_round_and_learn() {
             .collect();
         assert!(v.iter().all(|l| l.is_finite()), "node{i}: {v:?}");
         assert!(v.last().unwrap() < &(v[0] - 0.2), "node{i} learns: {v:?}");
+        let honest: Vec<Value> = records
+            .iter()
+            .map(|r| {
+                let mut r = r.clone();
+                r["gate"]
+                    .as_array_mut()
+                    .unwrap()
+                    .retain(|g| g["peer"] != adversary.as_str());
+                r
+            })
+            .collect();
+        let (ratio, cosine, n) = gasloc_tests::gate_margins(&honest);
+        eprintln!("node{i} gate margins (complete, honest peers): max distance/reference {ratio:.3}, min cosine {cosine:.3}, over {n} payloads");
         // The ban is kept in the node's home, for this run.
         let bans: Value =
             serde_json::from_str(&std::fs::read_to_string(home(i).join("bans.json")).unwrap())

@@ -20,8 +20,8 @@ use crate::round_machine::{Input, MachineConfig, Outcome, Output, RoundMachine, 
 use crate::schedule::{RoundSchedule, Timing};
 use crate::tensors::TensorSet;
 use crate::work::{
-    Arrived, Candidate, Finished, Received, RoundWork, Screened, TrainDeadline, TrainOrder,
-    Trained, WorkFuture,
+    Arrived, Candidate, Finished, GateReading, Received, RoundWork, Screened, TrainDeadline,
+    TrainOrder, Trained, WorkFuture,
 };
 use gasloc_proto::wire::{control_message::Body, ControlMessage, PayloadKind};
 use gasloc_status::{NodeState, NodeStatus};
@@ -140,8 +140,8 @@ impl RoundDriver {
         let mut training: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Trained)>> = None;
         let mut exchange: Option<JoinHandle<(u64, ExchangeResults)>> = None;
         let mut screening: Option<WorkFuture<Gated>> = None;
-        // The last payload gate's round and duration, for that round's record.
-        let mut gate_took: Option<(u64, Duration)> = None;
+        // The last payload gate's round, duration and readings, for that round's record.
+        let mut gate_took: Option<(u64, Duration, Vec<GateReading>)> = None;
         let mut finishing: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Finished)>> = None;
         let mut records = Vec::new();
         // Bans from an earlier life of this node hold from the start; the round's banned
@@ -240,9 +240,10 @@ impl RoundDriver {
                             record.reachability = status.reachability;
                             record.hole_punches = status.hole_punches;
                         }
-                        if let Some((round, took)) = gate_took.take() {
+                        if let Some((round, took, readings)) = gate_took.take() {
                             if round == record.round {
                                 record.gate_s = took.as_secs_f64();
+                                record.gate = readings;
                             }
                         }
                         self.judge_peers(&mut standing, &record).await;
@@ -308,8 +309,8 @@ impl RoundDriver {
                 done = work_opt(&mut screening) => {
                     screening = None;
                     match done {
-                        Ok(Gated { round, results, mut outcomes, took }) => {
-                            gate_took = Some((round, took));
+                        Ok(Gated { round, results, mut outcomes, took, readings }) => {
+                            gate_took = Some((round, took, readings));
                             arrived = results;
                             outcomes.extend(banned_neighbours.drain(..).map(|peer| {
                                 let reason = "banned by this node for the rest of the run";
@@ -536,6 +537,8 @@ struct Gated {
     outcomes: Vec<(PeerId, Outcome)>,
     /// How long the gate took.
     took: Duration,
+    /// What it measured.
+    readings: Vec<GateReading>,
 }
 
 /// Passes the payloads that came through the exchange to the work's payload gate and
@@ -557,6 +560,7 @@ fn screen(work: &mut dyn RoundWork, round: u64, mut results: ExchangeResults) ->
     Box::pin(async move {
         let mut outcomes: Vec<(PeerId, Outcome)> = Vec::with_capacity(results.len());
         let mut verdicts = screened.await?;
+        let readings = verdicts.iter().filter_map(|s| s.reading.clone()).collect();
         for (peer, result) in results.iter_mut() {
             let Ok(swapped) = result else {
                 outcomes.push((*peer, outcome_of(result)));
@@ -573,7 +577,9 @@ fn screen(work: &mut dyn RoundWork, round: u64, mut results: ExchangeResults) ->
                 ));
                 continue;
             };
-            let Screened { candidate, verdict } = verdicts.swap_remove(at);
+            let Screened {
+                candidate, verdict, ..
+            } = verdicts.swap_remove(at);
             match verdict {
                 Ok(()) => {
                     swapped.tensors = candidate.tensors;
@@ -598,6 +604,7 @@ fn screen(work: &mut dyn RoundWork, round: u64, mut results: ExchangeResults) ->
             results,
             outcomes,
             took: started.elapsed(),
+            readings,
         })
     })
 }

@@ -705,6 +705,7 @@ impl RoundMachine {
             permutation: plan.map(|p| strings(&p.permutation)).unwrap_or_default(),
             neighbours: plan.map(|p| strings(&p.neighbours)).unwrap_or_default(),
             withheld: plan.map(|p| strings(&p.withheld)).unwrap_or_default(),
+            gate: Vec::new(), // the driver's: the gate runs outside the machine
             bytes_sent: self.config.payload_bytes * (exchanged.len() as u64 + swapped_out),
             exchanged,
             refused,

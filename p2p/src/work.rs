@@ -109,7 +109,13 @@ pub struct Candidate {
 pub struct Screened {
     pub candidate: Candidate,
     pub verdict: Result<(), Refusal>,
+    /// What the gate measured (`None` when nothing was: the payload did not decode, or the
+    /// trainer checks nothing).
+    pub reading: Option<GateReading>,
 }
+
+/// The payload gate's numbers for one payload, as the round record keeps them.
+pub use gasloc_status::GateReading;
 
 /// The state after the round's outer step.
 #[derive(Debug, Clone)]
@@ -141,6 +147,7 @@ pub trait RoundWork: Send + Sync {
                 .map(|candidate| Screened {
                     candidate,
                     verdict: Ok(()),
+                    reading: None,
                 })
                 .collect())
         })

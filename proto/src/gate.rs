@@ -134,6 +134,12 @@ impl PayloadGate {
         Some(sorted[(n - 1) / 2])
     }
 
+    /// The reference distance a payload is measured against this round:
+    /// `max(‖θ_i − x_i‖, median of the accepted)`.
+    pub fn reference(&self, own_distance: f64) -> f64 {
+        own_distance.max(self.accepted_median().unwrap_or(0.0))
+    }
+
     /// Judges the round's payloads, `own_distance` being `‖θ_i − x_i‖`. Every payload is
     /// judged against the window as it stood before the round, so their order does not
     /// matter; the accepted ones then enter the window.

@@ -103,6 +103,8 @@ pub struct RoundRecord {
     pub failed: Vec<(String, String)>,
     /// Peers that committed to the round but withheld their reveal (excluded from it).
     pub withheld: Vec<String>,
+    /// The payload gate's numbers for every payload it measured (accepted or refused).
+    pub gate: Vec<GateReading>,
     /// The weights applied, `(peer, weight)`, this node first: the round topology's row
     /// with the weight of every neighbour that sent nothing usable returned to self.
     pub mixing: Vec<(String, f64)>,
@@ -149,6 +151,21 @@ pub struct RoundRecord {
     pub reachability: Reachability,
     /// Hole punches since the node started (filled in by the driver).
     pub hole_punches: u64,
+}
+
+/// What the payload gate measured of one neighbour's payload: how close an honest peer lies
+/// to the bounds (`distance / reference` against `max_distance_ratio`, `cosine` against
+/// `min_cosine`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct GateReading {
+    pub peer: String,
+    /// `‖θ_i − x_j‖`.
+    pub distance: f64,
+    /// `max(‖θ_i − x_i‖, median of the accepted distances)`, 0 before there is one.
+    pub reference: f64,
+    /// `cos(θ_i − x_j, θ_i − x_i)`, when both are nonzero.
+    pub cosine: Option<f64>,
 }
 
 /// A neighbour's payload this node turned down, and why.

@@ -415,3 +415,24 @@ pub fn is_root() -> bool {
     // SAFETY: geteuid(2) has no preconditions.
     unsafe { libc::geteuid() == 0 }
 }
+
+/// The payload gate's margins over round records (their `gate` readings): the largest
+/// `distance / reference` and the smallest cosine seen, and how many readings. Readings with
+/// no reference yet count only for the cosine.
+pub fn gate_margins(records: &[serde_json::Value]) -> (f64, f64, usize) {
+    let (mut ratio, mut cosine, mut n) = (0.0f64, 1.0f64, 0);
+    for reading in records
+        .iter()
+        .flat_map(|r| r["gate"].as_array().cloned().unwrap_or_default())
+    {
+        n += 1;
+        let reference = reading["reference"].as_f64().unwrap_or(0.0);
+        if reference > 0.0 {
+            ratio = ratio.max(reading["distance"].as_f64().unwrap_or(0.0) / reference);
+        }
+        if let Some(c) = reading["cosine"].as_f64() {
+            cosine = cosine.min(c);
+        }
+    }
+    (ratio, cosine, n)
+}
