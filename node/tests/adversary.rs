@@ -1,234 +1,30 @@
 //! Poisoning peers in a real swarm: a bootstrap process, honest `gasloc-node join`
-//! processes and, in this test's process, an adversary wired as `join` wires a node
-//! (`SwarmNode`) whose trainer trains honestly and then poisons what it hands out:
-//! - its payloads ([`Poison::Payloads`]): a NaN on even rounds, `model.norm.weight` × 1000
-//!   on odd rounds (the attack that destroyed a demo run before the payload gate). On the
-//!   complete topology every honest node meets it every round. Every honest node refuses
-//!   each of its payloads by the right reason, never mixes it, refuses no honest peer,
-//!   counts the refusals in `/status` and `/metrics`, bans it at its third offence (in
-//!   `/status` and in its home's `bans.json`), and learns;
-//! - the state it serves to joiners ([`Poison::State`]), the final norm × 1000, finite: a
-//!   late joiner fetches three states, outvotes the poisoned one and trains from the honest
-//!   anchor.
+//! processes and, in this test's process, an adversary (`adversaries/mod.rs`):
+//! - poisoning its payloads ([`Poison::Payloads`]): a NaN on even rounds,
+//!   `model.norm.weight` × 1000 on odd rounds (the attack that destroyed a demo run before
+//!   the payload gate). On the complete topology every honest node meets it every round.
+//!   Every honest node refuses each of its payloads by the right reason, never mixes it,
+//!   refuses no honest peer, counts the refusals in `/status` and `/metrics`, bans it at its
+//!   third offence (in `/status` and in its home's `bans.json`), and learns;
+//! - poisoning the state it serves to joiners ([`Poison::State`]), the final norm × 1000,
+//!   finite: a late joiner fetches three states, outvotes the poisoned one and trains from
+//!   the honest anchor.
 
-use gasloc_node::volunteer::{Volunteer, VolunteerOptions};
-use gasloc_p2p::driver::DriverOptions;
-use gasloc_p2p::exchange::SendOptions;
-use gasloc_p2p::local_swarm::local_config;
-use gasloc_p2p::peer_standing::PeerStanding;
-use gasloc_p2p::swarm_node::{Participation, SwarmNode};
-use gasloc_p2p::tensors::{TensorSet, TensorSpec};
-use gasloc_p2p::work::{
-    Candidate, Finished, Received, RoundWork, Screened, TrainOrder, Trained, WorkFuture,
-};
-use gasloc_p2p::{Keypair, Multiaddr, PeerId};
-use gasloc_tests::{
-    field, http_get, join_command, prepare_byte_data, read_report, start_bootstrap, Proc,
-};
+mod adversaries;
+
+use adversaries::{mixed_peers, peers, Poison, Swarm};
+use gasloc_tests::{field, http_get, join_command, read_report, Proc};
 use serde_json::Value;
 use std::time::Duration;
 
-const MANIFEST: &str = r#"
-name = "adversary-test"
-seed = 11
-[model]
-size = "tiny"
-[data]
-tokenizer = "byte"
-seq_len = 32
-micro_batch = 8
-[optimizer]
-lr = 3e-3
-warmup_steps = 10
-decay_steps = 2000
-[eval]
-batches = 4
-[outer]
-algorithm = "diloco"
-inner_steps = 15
-"#;
-
 const ROUNDS: u64 = 6;
-
-/// What the adversary poisons.
-#[derive(Clone, Copy, PartialEq)]
-enum Poison {
-    /// Every payload it sends.
-    Payloads,
-    /// The state it serves to joining nodes (its payloads are honest).
-    State,
-}
-
-/// The libtorch trainer, with what it hands out poisoned.
-struct Poisoner {
-    inner: Volunteer,
-    poison: Poison,
-}
-
-/// A NaN in `tensor` on even rounds, `tensor` × 1000 on odd ones.
-fn poison(round: u64, payload: &mut TensorSet, tensor: &str) {
-    let norm = payload
-        .tensors
-        .iter_mut()
-        .find(|t| t.name == tensor)
-        .expect("the model has a final norm");
-    let values = norm.data.chunks_exact(4).enumerate().map(|(i, b)| {
-        let v = f32::from_le_bytes(b.try_into().unwrap());
-        match round % 2 {
-            0 if i == 0 => f32::NAN,
-            0 => v,
-            _ => v * 1000.0,
-        }
-    });
-    norm.data = values.flat_map(f32::to_le_bytes).collect();
-}
-
-impl RoundWork for Poisoner {
-    fn payload_table(&self) -> Vec<TensorSpec> {
-        self.inner.payload_table()
-    }
-    fn state_table(&self) -> Vec<TensorSpec> {
-        self.inner.state_table()
-    }
-    fn train(&mut self, order: TrainOrder) -> WorkFuture<Trained> {
-        let round = order.round;
-        let trained = self.inner.train(order);
-        let poisoned = self.poison == Poison::Payloads;
-        Box::pin(async move {
-            let mut trained = trained.await?;
-            if poisoned {
-                poison(round, &mut trained.payload, "model.norm.weight");
-            }
-            Ok(trained)
-        })
-    }
-    fn screen(&mut self, round: u64, candidates: Vec<Candidate>) -> WorkFuture<Vec<Screened>> {
-        self.inner.screen(round, candidates)
-    }
-    fn finish(&mut self, received: Received) -> WorkFuture<Finished> {
-        let finished = self.inner.finish(received);
-        let poisoned = self.poison == Poison::State;
-        Box::pin(async move {
-            let mut finished = finished.await?;
-            if let (true, Some(state)) = (poisoned, finished.state.as_mut()) {
-                // Odd: scaled, finite (a NaN is refused by every joiner on its own).
-                poison(1, state, "anchor.model.norm.weight");
-            }
-            Ok(finished)
-        })
-    }
-    fn load_state(&mut self, round: u64, state: TensorSet) -> WorkFuture<()> {
-        self.inner.load_state(round, state)
-    }
-    fn close(&mut self) -> WorkFuture<()> {
-        self.inner.close()
-    }
-}
-
-/// Joins the swarm at `bootstrap` as the adversary poisoning `what` and takes part in
-/// `rounds` rounds; returns its peer id once it has joined, and the task running its rounds.
-async fn start_adversary(
-    bootstrap: &str,
-    home: &std::path::Path,
-    data: &std::path::Path,
-    what: Poison,
-    rounds: u64,
-) -> (PeerId, tokio::task::JoinHandle<anyhow::Result<()>>) {
-    let bootstrap: Multiaddr = bootstrap.parse().unwrap();
-    let bootstrap_peer = gasloc_p2p::network::peer_id_of(&bootstrap).unwrap();
-    let listen: Multiaddr = "/ip4/127.0.0.1/udp/0/quic-v1".parse().unwrap();
-    let node = SwarmNode::start(
-        Keypair::generate_ed25519(),
-        local_config(listen, vec![bootstrap]),
-        None,
-    )
-    .await
-    .unwrap();
-    let me = node.peer_id();
-    let (manifest, timing) = node.fetch_manifest(&[bootstrap_peer], None).await.unwrap();
-    let inner = Volunteer::start(VolunteerOptions {
-        manifest: manifest.clone(),
-        device: tch::Device::Cpu,
-        data: data.to_path_buf(),
-        checkpoints: home.join("checkpoints"),
-        checkpoint_every: 0,
-        keep_checkpoints: 1,
-        eval_every: 0,
-        threads: 1,
-        peer: me,
-    })
-    .unwrap();
-    let node = node.join_run(manifest.run_id(), timing).await.unwrap();
-    let participation = Participation {
-        work: Box::new(Poisoner {
-            inner,
-            poison: what,
-        }),
-        options: DriverOptions {
-            rounds,
-            withhold_reveals: false,
-            send: SendOptions::default(),
-            standing: PeerStanding::new(&manifest.gate, Vec::new()),
-            ban_file: None,
-        },
-        status: tokio::sync::watch::channel(Default::default()).0,
-        stop: Default::default(),
-    };
-    let task = tokio::spawn(async move {
-        node.take_part(participation, |_| {}).await?;
-        Ok(())
-    });
-    (me, task)
-}
-
-/// A bootstrap process for [`MANIFEST`] and the adversary, joined; honest nodes are the
-/// test's to start (their homes `dir/node<i>`, the adversary's `dir/node0`).
-struct Swarm {
-    _tmp: tempfile::TempDir,
-    _bootstrap: Proc,
-    dir: std::path::PathBuf,
-    data: std::path::PathBuf,
-    boot: String,
-    adversary: String,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
-
-impl Swarm {
-    async fn with_adversary(poison: Poison, rounds: u64) -> Swarm {
-        let tmp = tempfile::tempdir().unwrap();
-        let dir = tmp.path().to_path_buf();
-        let manifest = dir.join("run.toml");
-        std::fs::write(&manifest, MANIFEST).unwrap();
-        let data = prepare_byte_data(&dir);
-        let (bootstrap, boot) = start_bootstrap(&dir, &manifest, 8000, 4000, 500, 2000);
-        let (adversary, task) =
-            start_adversary(&boot, &dir.join("node0"), &data, poison, rounds).await;
-        Swarm {
-            _tmp: tmp,
-            _bootstrap: bootstrap,
-            dir,
-            data,
-            boot,
-            adversary: adversary.to_string(),
-            task,
-        }
-    }
-}
-
-fn peers(v: &Value) -> Vec<String> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p.as_str().unwrap().to_string())
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn honest_nodes_refuse_a_poisoning_peer_every_round_and_learn() {
-    let swarm = Swarm::with_adversary(Poison::Payloads, ROUNDS).await;
+    let mut swarm = Swarm::with_adversary(Poison::Payloads, ROUNDS).await;
     let (dir, data, boot) = (swarm.dir.clone(), swarm.data.clone(), swarm.boot.clone());
     let home = |i: usize| dir.join(format!("node{i}"));
-    let (adversary, adversary_task) = (swarm.adversary.clone(), swarm.task);
+    let (adversary, adversary_task) = (swarm.adversaries[0].clone(), swarm.tasks.remove(0));
     let rounds = ROUNDS.to_string();
     let mut nodes: Vec<Proc> = (1..=3)
         .map(|i| {
@@ -268,12 +64,7 @@ async fn honest_nodes_refuse_a_poisoning_peer_every_round_and_learn() {
         let mut pairings = 0;
         for r in &records {
             let round = r["round"].as_u64().unwrap();
-            let mixed: Vec<&str> = r["mixing"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|w| w[0].as_str().unwrap())
-                .collect();
+            let mixed = mixed_peers(r);
             assert!(
                 !mixed.contains(&adversary.as_str()),
                 "node{i} mixed it: {r}"
@@ -372,10 +163,10 @@ async fn honest_nodes_refuse_a_poisoning_peer_every_round_and_learn() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_joiner_outvotes_a_peer_serving_a_poisoned_state_and_trains_normally() {
     const HONEST_ROUNDS: u64 = 7;
-    let swarm = Swarm::with_adversary(Poison::State, HONEST_ROUNDS).await;
+    let mut swarm = Swarm::with_adversary(Poison::State, HONEST_ROUNDS).await;
     let (dir, data, boot) = (swarm.dir.clone(), swarm.data.clone(), swarm.boot.clone());
     let home = |i: usize| dir.join(format!("node{i}"));
-    let (adversary, adversary_task) = (swarm.adversary.clone(), swarm.task);
+    let (adversary, adversary_task) = (swarm.adversaries[0].clone(), swarm.tasks.remove(0));
     let rounds = HONEST_ROUNDS.to_string();
     let (boot2, dir2, data2) = (boot.clone(), dir.clone(), data.clone());
     let outcome = tokio::task::spawn_blocking(move || {
