@@ -24,7 +24,7 @@ use crate::schedule::Timing;
 use crate::tensors::{TensorSet, TensorSpec};
 use crate::work::RoundWork;
 use anyhow::{anyhow, bail};
-use gasloc_proto::gate::{judge_state_sources, StateParts, StateVerdict};
+use gasloc_proto::gate::{judge_against_median, judge_pair, momentum_clip, StateVerdict};
 use gasloc_proto::manifest::GateConfig;
 use gasloc_proto::{RunId, RunManifest};
 use gasloc_status::{NodeStatus, RefusedPayload, StateSyncReport};
@@ -77,8 +77,8 @@ pub struct SyncedState {
     pub sources: Vec<PeerId>,
     /// The states refused, and why.
     pub refused: Vec<RefusedPayload>,
-    /// The largest `‖θ_a − θ_b‖ / max(‖θ_a‖, ‖θ_b‖)` between the anchors of two kept
-    /// sources (0 for one): how far inside `gate.max_state_disagreement` they lie.
+    /// The largest `‖θ_a − θ_b‖ / min(‖θ_a‖, ‖θ_b‖)` between the anchors of two kept
+    /// sources (0 for one).
     pub disagreement: f64,
 }
 
@@ -122,40 +122,57 @@ struct Judged {
 async fn judge_fetched(gate: GateConfig, fetched: Vec<FetchedState>) -> anyhow::Result<Judged> {
     let judged = tokio::task::spawn_blocking(move || {
         let n = fetched.len();
-        let parts = |f: &FetchedState| StateParts {
-            anchor: f.state.norm_where(is_anchor),
-            momentum: f.state.norm_where(|t| !is_anchor(t)),
-        };
-        let norms: Vec<StateParts> = fetched.iter().map(parts).collect();
-        let no_distance = StateParts {
-            anchor: f64::INFINITY,
-            momentum: f64::INFINITY,
-        };
-        let mut distances = vec![vec![no_distance; n]; n];
+        let norms: Vec<f64> = fetched
+            .iter()
+            .map(|f| f.state.norm_where(is_anchor))
+            .collect();
+        let mut distances = vec![vec![f64::INFINITY; n]; n];
         let mut relative = vec![vec![0.0; n]; n];
         for a in 0..n {
             for b in a + 1..n {
                 // Every state was checked against one table: they match.
                 let (x, y) = (&fetched[a].state, &fetched[b].state);
-                let d = StateParts {
-                    anchor: x.distance_where(y, is_anchor).unwrap_or(f64::INFINITY),
-                    momentum: x
-                        .distance_where(y, |t| !is_anchor(t))
-                        .unwrap_or(f64::INFINITY),
-                };
-                let r = d.anchor / norms[a].anchor.max(norms[b].anchor);
+                let d = x.distance_where(y, is_anchor).unwrap_or(f64::INFINITY);
+                let r = d / norms[a].min(norms[b]);
                 tracing::info!(
                     a = %fetched[a].peer,
                     b = %fetched[b].peer,
-                    anchors = r,
-                    momentum_norms = ?(norms[a].momentum, norms[b].momentum),
-                    "state sync: ‖θ_a − θ_b‖ / max(‖θ_a‖, ‖θ_b‖), and the momenta's norms"
+                    relative = r,
+                    "state sync: ‖θ_a − θ_b‖ / min(‖θ_a‖, ‖θ_b‖)"
                 );
                 (distances[a][b], distances[b][a]) = (d, d);
                 (relative[a][b], relative[b][a]) = (r, r);
             }
         }
-        let verdict = judge_state_sources(&gate, &norms, |a, b| distances[a][b]);
+        let verdict = match n {
+            0 => StateVerdict::Split,
+            1 => StateVerdict::Unchecked,
+            2 => judge_pair(&gate, [norms[0], norms[1]], distances[0][1]),
+            _ => {
+                // Every state was checked against one table: the median exists.
+                let sets: Vec<&TensorSet> = fetched.iter().map(|f| &f.state).collect();
+                match TensorSet::median(&sets) {
+                    Some(median) => {
+                        let to_median: Vec<f64> = fetched
+                            .iter()
+                            .map(|f| {
+                                f.state
+                                    .distance_where(&median, is_anchor)
+                                    .unwrap_or(f64::INFINITY)
+                            })
+                            .collect();
+                        let median_norm = median.norm_where(is_anchor);
+                        tracing::info!(
+                            ?to_median,
+                            median_norm,
+                            "state sync: distances to the median anchor"
+                        );
+                        judge_against_median(&gate, &norms, median_norm, &to_median)
+                    }
+                    None => StateVerdict::Split,
+                }
+            }
+        };
         Judged {
             verdict,
             relative,
@@ -178,13 +195,25 @@ fn split_error(fetched: &[FetchedState], gate: &GateConfig) -> String {
     )
 }
 
-/// The mean of the `kept` states, on a blocking thread.
+/// The mean of the `kept` states, each one's outer momentum first clipped to the lower
+/// median of their norms ([`momentum_clip`]), on a blocking thread.
 async fn mean_of(
-    fetched: Vec<FetchedState>,
+    mut fetched: Vec<FetchedState>,
     kept: Vec<usize>,
     refused: Vec<RefusedPayload>,
 ) -> anyhow::Result<SyncedState> {
     tokio::task::spawn_blocking(move || {
+        let is_momentum = |t: &crate::tensors::Tensor| !is_anchor(t);
+        let norms: Vec<f64> = kept
+            .iter()
+            .map(|&i| fetched[i].state.norm_where(is_momentum))
+            .collect();
+        for (&i, factor) in kept.iter().zip(momentum_clip(&norms)) {
+            if factor < 1.0 {
+                tracing::info!(peer = %fetched[i].peer, factor, "state sync: outer momentum clipped to the median");
+                fetched[i].state.scale_where(factor, is_momentum);
+            }
+        }
         let sets: Vec<&TensorSet> = kept.iter().map(|&i| &fetched[i].state).collect();
         let state = TensorSet::mean(&sets)
             .ok_or_else(|| anyhow!("state sync: the kept states' tables differ"))?;
@@ -414,9 +443,10 @@ impl JoinedNode {
             match judged.verdict {
                 StateVerdict::Agreed { kept, outvoted } => {
                     for &i in &outvoted {
+                        let worst = kept.iter().map(|&k| relative[i][k]).fold(0.0, f64::max);
                         let reason = format!(
-                            "state sync: the state disagrees with the {} sources that agree \
-                             (beyond gate.max_state_disagreement = {})",
+                            "state sync: the state's anchor lies {worst:.3e} of its norm from \
+                             the {} sources that agree (beyond gate.max_state_disagreement = {})",
                             kept.len(),
                             gate.max_state_disagreement
                         );

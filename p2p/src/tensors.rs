@@ -199,6 +199,64 @@ impl TensorSet {
         Some(sum.sqrt())
     }
 
+    /// Multiplies the floating-point tensors `part` picks by `factor`, in their dtypes.
+    pub fn scale_where(&mut self, factor: f64, part: impl Fn(&Tensor) -> bool) {
+        for tensor in self.tensors.iter_mut().filter(|t| part(t)) {
+            let Some(values) = tensor.floats() else {
+                continue;
+            };
+            let scaled: Vec<f32> = values
+                .iter()
+                .map(|v| (f64::from(*v) * factor) as f32)
+                .collect();
+            if let Some(data) = Tensor::encode_floats(tensor.dtype, &scaled) {
+                tensor.data = data;
+            }
+        }
+    }
+
+    /// The element-wise median of `sets` (the mean of the middle two for an even count), each
+    /// floating-point tensor kept in its dtype; integer tensors are the first set's. `None`
+    /// when `sets` is empty or the tables differ.
+    pub fn median(sets: &[&TensorSet]) -> Option<TensorSet> {
+        let (first, rest) = sets.split_first()?;
+        let table = first.specs();
+        if rest.iter().any(|s| s.specs() != table) {
+            return None;
+        }
+        let mut tensors = Vec::with_capacity(first.tensors.len());
+        for (i, tensor) in first.tensors.iter().enumerate() {
+            if tensor.floats().is_none() {
+                tensors.push(tensor.clone());
+                continue;
+            }
+            let columns: Vec<Vec<f32>> = sets
+                .iter()
+                .map(|s| s.tensors[i].floats())
+                .collect::<Option<_>>()?;
+            let mut column = vec![0.0f32; sets.len()];
+            let median: Vec<f32> = (0..columns[0].len())
+                .map(|e| {
+                    for (slot, values) in column.iter_mut().zip(&columns) {
+                        *slot = values[e];
+                    }
+                    column.sort_by(f32::total_cmp);
+                    let n = column.len();
+                    if n % 2 == 1 {
+                        column[n / 2]
+                    } else {
+                        ((f64::from(column[n / 2 - 1]) + f64::from(column[n / 2])) / 2.0) as f32
+                    }
+                })
+                .collect();
+            tensors.push(Tensor {
+                data: Tensor::encode_floats(tensor.dtype, &median)?,
+                ..tensor.clone()
+            });
+        }
+        Some(TensorSet::new(tensors))
+    }
+
     /// The element-wise mean of `sets`, each floating-point tensor kept in its dtype
     /// (summed in f64); integer tensors are the first set's. `None` when `sets` is empty or
     /// the tables differ.
@@ -326,6 +384,14 @@ mod tests {
             assert_eq!(mean.tensors[0].floats().unwrap(), vec![2.0, 4.0]);
             assert_eq!(mean.tensors[0].dtype, dtype);
             assert_eq!(mean.tensors[1], a.tensors[1]);
+            let median = TensorSet::median(&[&a, &b, &set(&[3.0, 8.0], dtype)]).unwrap();
+            assert_eq!(median.tensors[0].floats().unwrap(), vec![3.0, 4.0]);
+            let even = TensorSet::median(&[&a, &b]).unwrap();
+            assert_eq!(even.tensors[0].floats().unwrap(), vec![1.5, 2.0]);
+            let mut scaled = a.clone();
+            scaled.scale_where(0.5, |t| t.name == "t");
+            assert_eq!(scaled.tensors[0].floats().unwrap(), vec![1.5, 2.0]);
+            assert_eq!(scaled.tensors[1], a.tensors[1], "integers stay");
         }
         let other = set(&[1.0, 2.0, 3.0], DType::F32);
         assert_eq!(set(&[1.0, 2.0], DType::F32).distance(&other), None);

@@ -21,8 +21,8 @@
 //! (`Topology::round_row`), the round engine's rule.
 //!
 //! A joining node has no anchor to measure against, so the states it fetches from several
-//! live peers are measured against each other instead ([`judge_state_sources`]): it keeps
-//! the largest group that pairwise agree within `[gate] max_state_disagreement` and
+//! live peers are measured against each other instead ([`judge_against_median`],
+//! [`judge_pair`]): it keeps those within `[gate] max_state_disagreement` of the others and
 //! starts from their mean.
 
 use crate::manifest::GateConfig;
@@ -208,129 +208,87 @@ impl PayloadGate {
     }
 }
 
-/// Which of the states a joiner fetched it may start from (see [`judge_state_sources`]).
+/// Which of the states a joiner fetched it may start from.
 #[derive(Debug, Clone, PartialEq)]
 pub enum StateVerdict {
-    /// The sources `kept` (indices, ascending) pairwise agree: start from their mean. Each
-    /// of `outvoted` disagrees with at least one of them.
+    /// The sources `kept` (indices, ascending) agree: start from their mean. Each of
+    /// `outvoted` lies too far from the others.
     Agreed {
         kept: Vec<usize>,
         outvoted: Vec<usize>,
     },
     /// One source only: there is nothing to check it against.
     Unchecked,
-    /// No two sources agree (or there are none), so which of them lies cannot be told.
+    /// The sources do not agree, and which of them lies cannot be told.
     Split,
 }
 
-/// A state's two parts, each measured: the anchor (`anchor.*` tensors) and the outer
-/// momentum (the rest). Used for norms and for distances between two states.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct StateParts {
-    pub anchor: f64,
-    pub momentum: f64,
+/// Whether two anchors agree: `‖θ_a − θ_b‖ ≤ ρ · min(‖θ_a‖, ‖θ_b‖)`, with
+/// `ρ = [gate] max_state_disagreement`, every number finite. Measured against the *smaller*
+/// norm, a model scaled up lies far away (a tensor × 1000: hundreds of times its norm), and so
+/// do a random direction (√2) and a sign flip (2); honest anchors differ by the swarm's
+/// consensus distance, early in a run with a slow node up to about half their norm. The outer
+/// momenta are not compared: each integrates its own node's pseudo-gradients (a node on a slow
+/// link, taking few inner steps, has a far shorter one); the mean clips them instead
+/// ([`momentum_clip`]).
+pub fn states_agree(config: &GateConfig, norm_a: f64, norm_b: f64, distance: f64) -> bool {
+    let finite = norm_a.is_finite() && norm_b.is_finite() && distance.is_finite();
+    finite && distance <= config.max_state_disagreement * norm_a.min(norm_b)
 }
 
-/// Whether two states agree. The anchors must point the same way:
-/// `‖θ_a − θ_b‖ ≤ ρ · max(‖θ_a‖, ‖θ_b‖)` with `ρ = [gate] max_state_disagreement`; honest
-/// anchors differ by the swarm's consensus distance. The outer momenta need only be of one
-/// size, within `[gate] max_distance_ratio` of each other: each integrates its own node's
-/// pseudo-gradients, so honest momenta differ by about as much as they measure. Every number
-/// must be finite.
-pub fn states_agree(
-    config: &GateConfig,
-    norm_a: StateParts,
-    norm_b: StateParts,
-    distance: StateParts,
-) -> bool {
-    let numbers = [
-        norm_a.anchor,
-        norm_a.momentum,
-        norm_b.anchor,
-        norm_b.momentum,
-        distance.anchor,
-        distance.momentum,
-    ];
-    if !numbers.iter().all(|n| n.is_finite()) {
-        return false;
-    }
-    let anchors =
-        distance.anchor <= config.max_state_disagreement * norm_a.anchor.max(norm_b.anchor);
-    let (small, large) = if norm_a.momentum <= norm_b.momentum {
-        (norm_a.momentum, norm_b.momentum)
+/// Two sources: they agree ([`states_agree`]) or one of them lies.
+pub fn judge_pair(config: &GateConfig, norms: [f64; 2], distance: f64) -> StateVerdict {
+    if states_agree(config, norms[0], norms[1], distance) {
+        StateVerdict::Agreed {
+            kept: vec![0, 1],
+            outvoted: Vec::new(),
+        }
     } else {
-        (norm_b.momentum, norm_a.momentum)
-    };
-    let momenta = large <= config.max_distance_ratio * small;
-    anchors && momenta
+        StateVerdict::Split
+    }
 }
 
-/// Judges the states a joiner fetched, each already through the finiteness check:
-/// `norms[i]` measures state i and `distance(a, b)` the difference of states a and b. The
-/// verdict keeps the largest group of sources that pairwise agree ([`states_agree`]);
-/// between groups of one size, the one whose anchors lie closest together (the smallest
-/// largest distance), then the one fetched first. The joiner trusts the sources that agree,
-/// so an attacker must control more of them than the honest peers it was given. At most 16
-/// sources are considered (the joiner asks a few).
-pub fn judge_state_sources(
+/// Three sources or more, measured against their coordinate-wise median anchor (which lies
+/// between the honest values in every coordinate while most sources are honest): `norms[i]`
+/// is `‖θ_i‖`, `median_norm` the median's and `to_median[i]` is `‖θ_i − θ_median‖`. The
+/// sources that agree with the median ([`states_agree`]) are kept when they are at least two;
+/// the others are outvoted.
+pub fn judge_against_median(
     config: &GateConfig,
-    norms: &[StateParts],
-    distance: impl Fn(usize, usize) -> StateParts,
+    norms: &[f64],
+    median_norm: f64,
+    to_median: &[f64],
 ) -> StateVerdict {
-    let n = norms.len().min(16);
-    match n {
-        0 => return StateVerdict::Split,
-        1 => return StateVerdict::Unchecked,
-        _ => {}
+    let (kept, outvoted): (Vec<usize>, Vec<usize>) =
+        (0..norms.len()).partition(|&i| states_agree(config, norms[i], median_norm, to_median[i]));
+    if kept.len() >= 2 {
+        StateVerdict::Agreed { kept, outvoted }
+    } else {
+        StateVerdict::Split
     }
-    let mut agree = vec![vec![false; n]; n];
-    let mut dist = vec![vec![0.0f64; n]; n];
-    for a in 0..n {
-        for b in a + 1..n {
-            let d = distance(a, b);
-            (dist[a][b], dist[b][a]) = (d.anchor, d.anchor);
-            let ok = states_agree(config, norms[a], norms[b], d);
-            (agree[a][b], agree[b][a]) = (ok, ok);
-        }
-    }
-    // Every subset, as a bit mask; n ≤ 16 keeps this at most 65 536 small checks.
-    let mut best: Option<(usize, f64, u32)> = None;
-    for mask in 1u32..(1 << n) {
-        let members: Vec<usize> = (0..n).filter(|i| mask & (1 << i) != 0).collect();
-        if members.len() < 2 {
-            continue;
-        }
-        let mut diameter = 0.0f64;
-        let mut clique = true;
-        'pairs: for (i, &a) in members.iter().enumerate() {
-            for &b in &members[i + 1..] {
-                if !agree[a][b] {
-                    clique = false;
-                    break 'pairs;
-                }
-                diameter = diameter.max(dist[a][b]);
+}
+
+/// The factor each kept source's outer momentum is scaled by before the mean: at most 1, so
+/// that no momentum is longer than the lower median of their norms. One source's momentum
+/// scaled × 1000 behind an honest anchor then counts as one of honest size.
+pub fn momentum_clip(norms: &[f64]) -> Vec<f64> {
+    let mut sorted: Vec<f64> = norms.iter().copied().filter(|n| n.is_finite()).collect();
+    sorted.sort_by(f64::total_cmp);
+    let Some(&median) = sorted.get(sorted.len().saturating_sub(1) / 2) else {
+        return vec![0.0; norms.len()];
+    };
+    norms
+        .iter()
+        .map(|&n| {
+            if !n.is_finite() {
+                0.0
+            } else if n > median {
+                median / n
+            } else {
+                1.0
             }
-        }
-        if !clique {
-            continue;
-        }
-        let better = match best {
-            None => true,
-            Some((size, d, _)) => members.len() > size || (members.len() == size && diameter < d),
-        };
-        if better {
-            best = Some((members.len(), diameter, mask));
-        }
-    }
-    match best {
-        Some((_, _, mask)) => StateVerdict::Agreed {
-            kept: (0..n).filter(|i| mask & (1 << i) != 0).collect(),
-            outvoted: (0..norms.len())
-                .filter(|&i| i >= n || mask & (1 << i) == 0)
-                .collect(),
-        },
-        None => StateVerdict::Split,
-    }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -454,31 +412,13 @@ mod tests {
         );
     }
 
-    /// Parts with the given anchor value and a momentum of 1.
-    fn anchor(value: f64) -> StateParts {
-        StateParts {
-            anchor: value,
-            momentum: 1.0,
-        }
-    }
-
-    /// Three sources with momenta of norm 1 and `d_m = 1`, the anchor distances between
-    /// them given as `[d01, d02, d12]`.
-    fn three(norms: [f64; 3], d: [f64; 3]) -> StateVerdict {
-        let distance = |a: usize, b: usize| {
-            anchor(match (a.min(b), a.max(b)) {
-                (0, 1) => d[0],
-                (0, 2) => d[1],
-                _ => d[2],
-            })
-        };
-        judge_state_sources(&GateConfig::default(), &norms.map(anchor), distance)
-    }
-
     #[test]
-    fn a_joiner_keeps_the_two_sources_that_agree_and_outvotes_a_scaled_state() {
-        // Sources 0 and 2 are honest (1 % apart); source 1 scaled a tensor × 1000.
-        let verdict = three([10.0, 9000.0, 10.1], [8990.0, 0.1, 8990.0]);
+    fn a_joiner_keeps_the_sources_near_the_median_and_outvotes_a_scaled_state() {
+        let config = GateConfig::default();
+        // Sources 0 and 2 honest, source 1 with a tensor × 1000: the median lies between
+        // the honest ones.
+        let verdict =
+            judge_against_median(&config, &[10.0, 9000.0, 10.1], 10.0, &[0.1, 8990.0, 0.1]);
         assert_eq!(
             verdict,
             StateVerdict::Agreed {
@@ -486,92 +426,55 @@ mod tests {
                 outvoted: vec![1]
             }
         );
-        // A state of honest norm in a random direction is as far as √2 of the norm.
-        let verdict = three([10.0, 10.0, 10.0], [14.1, 0.1, 14.1]);
-        assert!(matches!(verdict, StateVerdict::Agreed { ref kept, .. } if kept == &[0, 2]));
+        // A state of honest norm in a random direction lies √2 of the norm away.
+        let verdict = judge_against_median(&config, &[10.0; 3], 10.0, &[0.1, 14.1, 0.1]);
+        assert!(matches!(verdict, StateVerdict::Agreed { ref outvoted, .. } if outvoted == &[1]));
+        // A slow node's anchor, lagging by half its norm, is kept.
+        let verdict = judge_against_median(&config, &[10.0, 8.0, 10.0], 10.0, &[0.5, 4.5, 0.2]);
+        assert!(matches!(verdict, StateVerdict::Agreed { ref kept, .. } if kept.len() == 3));
+        // Fewer than two near the median: no verdict.
+        let verdict = judge_against_median(&config, &[10.0; 3], 10.0, &[20.0, 0.0, 20.0]);
+        assert_eq!(verdict, StateVerdict::Split);
     }
 
     #[test]
-    fn honest_sources_in_consensus_all_count_and_one_source_is_unchecked() {
-        let verdict = three([10.0, 10.0, 10.0], [0.3, 0.2, 0.4]);
-        assert_eq!(
-            verdict,
-            StateVerdict::Agreed {
-                kept: vec![0, 1, 2],
-                outvoted: vec![]
-            }
-        );
-        assert_eq!(
-            judge_state_sources(&GateConfig::default(), &[anchor(10.0)], |_, _| anchor(0.0)),
-            StateVerdict::Unchecked
-        );
-        assert_eq!(
-            judge_state_sources(&GateConfig::default(), &[], |_, _| anchor(0.0)),
-            StateVerdict::Split
-        );
-    }
-
-    #[test]
-    fn sources_that_all_disagree_or_hold_a_non_finite_norm_give_no_verdict() {
-        assert_eq!(
-            three([10.0, 10.0, 10.0], [9.0, 9.0, 9.0]),
-            StateVerdict::Split
-        );
-        let two = |n: [f64; 2], d: f64| {
-            judge_state_sources(&GateConfig::default(), &n.map(anchor), |_, _| anchor(d))
-        };
-        assert_eq!(
-            two([10.0, 10.0], 9.0),
-            StateVerdict::Split,
-            "one of two lies"
-        );
-        assert_eq!(two([f64::INFINITY, 10.0], 0.0), StateVerdict::Split);
-        assert_eq!(two([10.0, 10.0], f64::NAN), StateVerdict::Split);
-    }
-
-    #[test]
-    fn momenta_must_be_of_one_size_but_may_point_anywhere() {
+    fn two_sources_agree_or_one_of_them_lies() {
         let config = GateConfig::default();
-        let state = |momentum: f64| StateParts {
-            anchor: 10.0,
-            momentum,
-        };
-        let apart = |momentum: f64| StateParts {
-            anchor: 0.1,
-            momentum,
-        };
-        // Honest momenta: as far apart as they are long.
-        assert!(states_agree(&config, state(2.0), state(3.0), apart(4.0)));
-        // A momentum scaled × 1000 behind an honest anchor.
-        assert!(!states_agree(
-            &config,
-            state(2.0),
-            state(2000.0),
-            apart(2000.0)
+        assert!(matches!(
+            judge_pair(&config, [10.0, 9.0], 4.0),
+            StateVerdict::Agreed { .. }
         ));
-        assert!(!states_agree(&config, state(0.0), state(1.0), apart(1.0)));
-        assert!(
-            states_agree(&config, state(0.0), state(0.0), apart(0.0)),
-            "round 0"
+        assert_eq!(
+            judge_pair(&config, [10.0, 10.0], 20.0),
+            StateVerdict::Split,
+            "a sign flip"
         );
-        assert!(!states_agree(
-            &config,
-            state(2.0),
-            state(2.0),
-            apart(f64::NAN)
-        ));
+        assert_eq!(
+            judge_pair(&config, [10.0, 10_000.0], 9_990.0),
+            StateVerdict::Split,
+            "× 1000"
+        );
+        assert_eq!(
+            judge_pair(&config, [f64::INFINITY, 10.0], 0.0),
+            StateVerdict::Split
+        );
+        assert_eq!(
+            judge_pair(&config, [10.0, 10.0], f64::NAN),
+            StateVerdict::Split
+        );
     }
 
     #[test]
-    fn between_two_agreeing_pairs_the_tighter_one_wins() {
-        // 1 agrees with 0 (distance 2.0) and with 2 (distance 0.5); 0 and 2 disagree.
-        let verdict = three([10.0, 10.0, 10.0], [2.0, 6.0, 0.5]);
+    fn a_momentum_longer_than_the_median_is_clipped_to_it() {
+        // A slow node's short momentum is kept whole; a × 1000 one counts as the median's.
+        assert_eq!(momentum_clip(&[2.0, 0.1, 2000.0]), vec![1.0, 1.0, 0.001]);
         assert_eq!(
-            verdict,
-            StateVerdict::Agreed {
-                kept: vec![1, 2],
-                outvoted: vec![0]
-            }
+            momentum_clip(&[3.0, 1.0]),
+            vec![1.0 / 3.0, 1.0],
+            "the lower median"
         );
+        assert_eq!(momentum_clip(&[0.0, 0.0]), vec![1.0, 1.0], "round 0");
+        assert_eq!(momentum_clip(&[1.0, f64::NAN]), vec![1.0, 0.0]);
+        assert!(momentum_clip(&[]).is_empty());
     }
 }

@@ -217,9 +217,9 @@ pub struct GateConfig {
     #[serde(default = "default_min_cosine")]
     pub min_cosine: f64,
     /// ρ: two states a joiner fetched agree when their anchors lie within
-    /// `‖θ_a − θ_b‖ ≤ ρ · max(‖θ_a‖, ‖θ_b‖)` (and their outer momenta's norms within
-    /// `max_distance_ratio` of each other). A joiner starts from the mean of the largest group
-    /// of sources that pairwise agree.
+    /// `‖θ_a − θ_b‖ ≤ ρ · min(‖θ_a‖, ‖θ_b‖)` (with three sources or more, each is measured
+    /// against their coordinate-wise median). A joiner starts from the mean of the sources
+    /// that agree (each outer momentum clipped to their median norm).
     #[serde(default = "default_max_state_disagreement")]
     pub max_state_disagreement: f64,
     /// A peer is banned for the rest of the run after this many offences (a refused
@@ -254,7 +254,7 @@ fn default_min_cosine() -> f64 {
     -1.0
 }
 fn default_max_state_disagreement() -> f64 {
-    0.5
+    1.0
 }
 fn default_ban_after_offences() -> u32 {
     3
@@ -760,10 +760,10 @@ impl RunManifest {
                 format!("= {} must lie in [-1, 1] (-1: off)", g.min_cosine),
             ));
         }
-        if !(g.max_state_disagreement > 0.0 && g.max_state_disagreement <= 2.0) {
+        if !(g.max_state_disagreement > 0.0 && g.max_state_disagreement <= 10.0) {
             return Err((
                 "gate.max_state_disagreement",
-                format!("= {} must lie in (0, 2]", g.max_state_disagreement),
+                format!("= {} must lie in (0, 10]", g.max_state_disagreement),
             ));
         }
         if g.ban_window_rounds == 0 {

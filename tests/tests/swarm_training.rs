@@ -166,6 +166,14 @@ fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
         for r in records {
             assert_eq!(r["refused"], serde_json::json!([]), "node{}: {r}", i + 1);
         }
+        // Nor banned anyone: not the slow node, not the one killed mid-round.
+        let bans = home(i + 1).join("bans.json");
+        assert!(
+            !bans.exists(),
+            "node{} banned: {}",
+            i + 1,
+            std::fs::read_to_string(&bans).unwrap_or_default()
+        );
     }
     // How close the honest models came to the gate's bounds (reported; the refusals above
     // are the check).
