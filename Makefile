@@ -19,13 +19,14 @@ export GASLOC_PYTHON := $(PYTHON)
 
 NODE := target/debug/gasloc-node
 
-.PHONY: help setup venv chromium nettools build demo-data demo test bench clean
+.PHONY: help setup venv chromium nettools build demo-data demo test bench fuzz clean
 
 help:
 	@echo "make demo   set up, build, and run a local swarm (bootstrap + 4 nodes) on Shakespeare"
 	@echo "make test   set up, then formatting, clippy (warnings denied) and every test"
 	@echo "make setup  the .venv with torch $(TORCH_VERSION) + transformers, and the demo data"
 	@echo "make bench  the benchmarks in bench/ (see docs/performance.md)"
+	@echo "make fuzz   each fuzz target for FUZZ_TIME seconds (default 30; see docs/fuzzing.md)"
 
 setup: venv chromium nettools demo-data
 
@@ -79,6 +80,25 @@ bench: setup
 	bench/round_scale
 	bash bench/straggler.sh target/release $(DATA)/shakespeare-byte
 	bash bench/gate_cost.sh target/release $(DATA)/shakespeare-byte
+
+# The decoders that meet a stranger's bytes, under cargo-fuzz (nightly, libFuzzer), one
+# after the other, FUZZ_TIME seconds each. New inputs go to fuzz/target/corpus/<target>
+# (not committed); the committed corpus in fuzz/corpus/<target> seeds each run. A crash
+# stops here and leaves its input in fuzz/artifacts/<target>/. docs/fuzzing.md.
+FUZZ_TIME    ?= 30
+FUZZ_TARGETS ?= exchange_frames control_message state_request manifest shard_header
+FUZZ_FLAGS   ?= -rss_limit_mb=2048 -timeout=10
+FUZZ := $(CURDIR)/fuzz
+fuzz:
+	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz
+	cargo +nightly fuzz build -O -a
+	for t in $(FUZZ_TARGETS); do \
+		mkdir -p $(FUZZ)/target/corpus/$$t && \
+		cargo +nightly fuzz run -O -a $$t $(FUZZ)/target/corpus/$$t $(FUZZ)/corpus/$$t -- \
+			-max_total_time=$(FUZZ_TIME) $(FUZZ_FLAGS) \
+			-max_len=$$(sed -n "s/^$$t //p" $(FUZZ)/max_len) -print_final_stats=1 || exit 1; \
+	done
 
 clean:
 	cargo clean

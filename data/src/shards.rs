@@ -142,6 +142,23 @@ impl Shard {
 
 /// Reads and checks one shard: header, exact file size, every token `< vocab_size`.
 pub fn read_shard(path: &Path, vocab_size: usize) -> Result<Shard, DataError> {
+    let io = |source: std::io::Error| DataError::ShardIo {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = File::open(path).map_err(io)?;
+    let file_bytes = file.metadata().map_err(io)?.len();
+    read_shard_from(file, file_bytes, path, vocab_size)
+}
+
+/// [`read_shard`] on any reader of a shard of `file_bytes` bytes (`path` names it in errors
+/// and in the result): the checks the trainer runs, on bytes from anywhere.
+pub fn read_shard_from<R: Read>(
+    mut file: R,
+    file_bytes: u64,
+    path: &Path,
+    vocab_size: usize,
+) -> Result<Shard, DataError> {
     let bad = |problem: String| DataError::BadShard {
         path: path.to_path_buf(),
         problem,
@@ -150,9 +167,6 @@ pub fn read_shard(path: &Path, vocab_size: usize) -> Result<Shard, DataError> {
         path: path.to_path_buf(),
         source,
     };
-
-    let mut file = File::open(path).map_err(io)?;
-    let file_bytes = file.metadata().map_err(io)?.len();
     if file_bytes < HEADER_BYTES as u64 {
         return Err(bad(format!(
             "truncated: the file has {file_bytes} bytes, fewer than the {HEADER_BYTES}-byte header"
@@ -220,7 +234,7 @@ pub fn read_shard(path: &Path, vocab_size: usize) -> Result<Shard, DataError> {
 /// Reads `count` little-endian tokens of `N` bytes each, a megabyte at a time, straight
 /// into the result (no second full-size copy).
 fn read_tokens<T, const N: usize>(
-    file: &mut File,
+    file: &mut impl Read,
     count: usize,
     from_le: fn([u8; N]) -> T,
 ) -> std::io::Result<Vec<T>> {

@@ -100,7 +100,11 @@ impl ControlValidator {
         if let Some(timing) = &self.timing {
             let ok = match timing.round_at(now_ms) {
                 None => message.round == 0,
-                Some(current) => message.round + 1 >= current && message.round <= current + 1,
+                // A stranger picks the round: u64::MAX must be refused, not overflow.
+                Some(current) => {
+                    message.round.saturating_add(1) >= current
+                        && message.round <= current.saturating_add(1)
+                }
             };
             if !ok {
                 return Err(ControlReject::RoundOutsideWindow {
@@ -148,8 +152,8 @@ mod tests {
         .encode_to_vec()
     }
 
-    #[test]
-    fn each_bad_control_message_gets_a_named_rejection() {
+    /// Run [5; 32], rounds of 1 s from 0, at most 256 bytes and 2 messages a minute a peer.
+    fn validator() -> ControlValidator {
         let timing = Timing {
             genesis_ms: 0,
             period_ms: 1000,
@@ -158,13 +162,35 @@ mod tests {
             exchange_timeout_ms: 100,
             topology: Topology::OnePeer,
         };
-        let mut v = ControlValidator::new(
+        ControlValidator::new(
             RunId::from_bytes([5; 32]),
             Some(timing),
             256,
             2,
             Duration::from_secs(60),
+        )
+    }
+
+    /// Found by review while writing the `control_message` fuzz target: `round + 1`
+    /// overflowed (a panic in debug builds, the network loop's thread) for round u64::MAX.
+    #[test]
+    fn a_round_of_u64_max_is_outside_the_window_not_an_overflow() {
+        let mut v = validator();
+        let peer = Keypair::generate_ed25519().public().to_peer_id();
+        assert_eq!(
+            v.validate(
+                Some(peer),
+                &commit([5; 32], u64::MAX, 32),
+                10_500,
+                Instant::now()
+            ),
+            Err(ControlReject::RoundOutsideWindow { round: u64::MAX })
         );
+    }
+
+    #[test]
+    fn each_bad_control_message_gets_a_named_rejection() {
+        let mut v = validator();
         let peer = Keypair::generate_ed25519().public().to_peer_id();
         let t = Instant::now();
         let now_ms = 10_500; // round 10

@@ -592,7 +592,9 @@ fn verify_chunks(
     let mut tensors = Vec::with_capacity(entries.len());
     for entry in entries {
         let zstd = entry.encoding == Encoding::Zstd as i32;
-        let mut data = Vec::with_capacity(entry.byte_length as usize);
+        // Not `with_capacity(byte_length)`: that is the sender's word, up to the payload
+        // limit (32 GiB), and would be reserved before a single byte came.
+        let mut data = Vec::new();
         let mut whole = blake3::Hasher::new();
         let mut chunk_index = 0u64;
         while (data.len() as u64) < entry.byte_length {
@@ -606,6 +608,7 @@ fn verify_chunks(
                 }));
             }
             let start = data.len();
+            make_room(&mut data, chunk.raw_len, entry.byte_length);
             if zstd {
                 let decoded = zstd::bulk::decompress(&chunk.body, chunk.raw_len).map_err(|e| {
                     Some(ExchangeError::Malformed {
@@ -643,6 +646,18 @@ fn verify_chunks(
         });
     }
     Ok(tensors)
+}
+
+/// Room in `data`, a tensor of `total` bytes as it is assembled, for a chunk of `raw_len`
+/// more: the capacity doubles as chunks arrive (amortised copies) but never passes
+/// `total`, so a tensor ends with exactly its size reserved and at most twice the bytes
+/// received so far are ever reserved.
+fn make_room(data: &mut Vec<u8>, raw_len: usize, total: u64) {
+    if data.capacity() - data.len() >= raw_len {
+        return;
+    }
+    let remaining = usize::try_from(total).unwrap_or(usize::MAX) - data.len();
+    data.reserve_exact(data.len().max(raw_len).min(remaining).max(raw_len));
 }
 
 /// The end of an exchange, once both payloads went through: tells the peer that its payload
@@ -770,4 +785,76 @@ pub async fn write_state_request<W: AsyncWrite + Unpin>(
     };
     write_frame(w, FRAME_STATE_REQUEST, &[&request.encode_to_vec()]).await?;
     w.close().await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found while writing the `exchange_frames` fuzz target (the input is kept in
+    /// fuzz/regressions/exchange_frames/): a state source announcing one 32 GiB tensor (the
+    /// payload limit) made a joiner that accepts any table reserve 32 GiB before the first
+    /// chunk came.
+    #[tokio::test]
+    async fn an_announced_tensor_is_not_reserved_before_its_bytes_arrive() {
+        let sender = libp2p::identity::Keypair::generate_ed25519()
+            .public()
+            .to_peer_id();
+        let limits = ExchangeLimits::default();
+        let shape = vec![limits.max_payload_bytes / 4];
+        let header = ExchangeHeader {
+            run_id: vec![1; 32],
+            round: 3,
+            sender: sender.to_bytes(),
+            kind: PayloadKind::State as i32,
+            tensors: vec![TensorEntry {
+                name: "huge".into(),
+                dtype: DType::F32 as i32,
+                byte_length: TensorSpec::byte_length_of(DType::F32, &shape).unwrap(),
+                shape,
+                encoding: Encoding::Raw as i32,
+                checksum: vec![0; DIGEST_LEN],
+            }],
+            chunk_size: 1 << 20,
+        };
+        let expect = Expectation {
+            run_id: RunId::from_bytes([1; 32]),
+            round: None,
+            sender,
+            kind: PayloadKind::State,
+            table: None,
+        };
+        check_header(&header, &expect, &limits).expect("a header within the limits");
+        // One honest-looking chunk, then the stream ends.
+        let chunk = vec![0u8; 1 << 20];
+        let mut stream = Vec::new();
+        write_frame(
+            &mut stream,
+            FRAME_CHUNK,
+            &[blake3::hash(&chunk).as_bytes(), &chunk],
+        )
+        .await
+        .unwrap();
+        let err = receive_tensors(&mut futures::io::Cursor::new(stream), &header)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ExchangeError::Truncated("chunk")), "{err}");
+    }
+
+    #[test]
+    fn room_doubles_as_chunks_arrive_and_ends_at_the_tensor_size() {
+        let total = 10 * 1000 + 7;
+        let mut data = Vec::new();
+        let mut most = 0;
+        while data.len() < total {
+            let raw_len = 1000.min(total - data.len());
+            make_room(&mut data, raw_len, total as u64);
+            assert!(data.capacity() >= data.len() + raw_len);
+            most = most.max(data.capacity());
+            assert!(data.capacity() <= 2 * (data.len() + raw_len));
+            data.extend(std::iter::repeat_n(0u8, raw_len));
+        }
+        assert_eq!(data.capacity(), total);
+        assert_eq!(most, total);
+    }
 }
