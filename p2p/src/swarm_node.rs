@@ -378,10 +378,12 @@ impl JoinedNode {
     /// The state a late joiner starts from, fetched from up to [`STATE_SOURCES`] live peers
     /// and checked as untrusted input. Each state is checked against `table` and for NaN
     /// and infinity; the finite ones are measured against each other (torch-free, on the
-    /// raw bytes, off the async runtime's threads) and judged by
-    /// [`judge_state_sources`]: the joiner starts from the mean of the largest group that
-    /// agree within `gate.max_state_disagreement`, and when the states split it asks more
-    /// peers, up to [`MAX_STATE_PEERS_ASKED`] in all, before giving up with an error. A
+    /// raw bytes, off the async runtime's threads): three or more against their
+    /// coordinate-wise median ([`judge_against_median`]), two against each other
+    /// ([`judge_pair`]). The joiner starts from the mean of those that agree within
+    /// `gate.max_state_disagreement`, each outer momentum clipped to their median norm
+    /// ([`momentum_clip`]); when the states split it asks more peers, up to
+    /// [`MAX_STATE_PEERS_ASKED`] in all, before giving up with an error. A
     /// single source is taken unchecked (the report says so). `Ok(None)` when nobody
     /// serves a state (a new run: start from the seed). Peers are asked in random order,
     /// outside `exclude` (the bootstrap nodes, which hold none); peers found through
