@@ -14,7 +14,7 @@
 use crate::exchange::{ExchangeError, OutgoingPayload, SendOptions};
 use crate::exchange_service::{ExchangeResults, ExchangeService};
 use crate::network::{unix_ms, Client, NetworkEvent};
-use crate::peer_standing::{BanFile, PeerStanding};
+use crate::peer_standing::{is_offence, BanFile, PeerStanding};
 pub use crate::round_machine::RoundRecord;
 use crate::round_machine::{Input, MachineConfig, Outcome, Output, RoundMachine, StatusChange};
 use crate::schedule::{RoundSchedule, Timing};
@@ -379,24 +379,26 @@ impl RoundDriver {
                     .withheld
                     .iter()
                     .map(|p| (p.as_str(), "withheld_reveal")),
-            );
+            )
+            .filter(|(_, kind)| is_offence(kind));
         let mut offenders = Vec::new();
         let mut banned = false;
         for (peer, kind) in offences {
             let Ok(peer) = peer.parse::<PeerId>() else {
                 continue;
             };
-            if let Some(ban) = standing.offend(peer, round, kind) {
-                tracing::warn!(
-                    round,
-                    %peer,
-                    offences = ?ban.offences,
-                    "peer banned for the rest of the run"
-                );
-                let _ = self.client.ban(peer).await;
-                banned = true;
-            } else if crate::peer_standing::is_offence(kind) {
-                offenders.push(peer);
+            match standing.offend(peer, round, kind) {
+                Some(ban) => {
+                    tracing::warn!(
+                        round,
+                        %peer,
+                        offences = ?ban.offences,
+                        "peer banned for the rest of the run"
+                    );
+                    let _ = self.client.ban(peer).await;
+                    banned = true;
+                }
+                None => offenders.push(peer),
             }
         }
         for peer in offenders {
@@ -560,7 +562,10 @@ fn screen(work: &mut dyn RoundWork, round: u64, mut results: ExchangeResults) ->
     Box::pin(async move {
         let mut outcomes: Vec<(PeerId, Outcome)> = Vec::with_capacity(results.len());
         let mut verdicts = screened.await?;
-        let readings = verdicts.iter().filter_map(|s| s.reading.clone()).collect();
+        let readings = verdicts
+            .iter_mut()
+            .filter_map(|s| s.reading.take())
+            .collect();
         for (peer, result) in results.iter_mut() {
             let Ok(swapped) = result else {
                 outcomes.push((*peer, outcome_of(result)));

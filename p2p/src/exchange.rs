@@ -414,6 +414,21 @@ pub enum FirstFrame {
     StateRequest(StateRequest),
 }
 
+/// The first frame on `/gasloc/state/1` as a serving node judges it: a state request for
+/// `run_id`, or the error to refuse the stream with.
+pub fn check_state_request(
+    first: FirstFrame,
+    run_id: &RunId,
+) -> Result<StateRequest, ExchangeError> {
+    match first {
+        FirstFrame::StateRequest(request) if request.run_id == run_id.as_bytes() => Ok(request),
+        FirstFrame::StateRequest(request) => Err(ExchangeError::WrongRun {
+            got: hex::encode(request.run_id),
+        }),
+        _ => Err(ExchangeError::UnexpectedFrame(0)),
+    }
+}
+
 /// Reads and decodes the first frame of a stream.
 pub async fn read_first_frame<R: AsyncRead + Unpin>(
     r: &mut R,

@@ -9,9 +9,9 @@
 //! has registered; anything else is refused with a reason and logged.
 
 use crate::exchange::{
-    check_header, read_checked_header, read_first_frame, receive_tensors, refuse, run_initiator,
-    run_responder, send_payload, write_state_request, ExchangeError, ExchangeLimits, Expectation,
-    FirstFrame, OutgoingPayload,
+    check_header, check_state_request, read_checked_header, read_first_frame, receive_tensors,
+    refuse, run_initiator, run_responder, send_payload, write_state_request, ExchangeError,
+    ExchangeLimits, Expectation, FirstFrame, OutgoingPayload,
 };
 use crate::tensors::{TensorSet, TensorSpec};
 use futures::{AsyncWriteExt, StreamExt};
@@ -576,16 +576,8 @@ async fn handle_state_request(inner: &Inner, peer: PeerId, mut stream: Stream) -
         outcome: Err(String::new()),
     };
     let first = read_first_frame_in_time(&mut stream, cfg).await;
-    match first {
-        Ok(FirstFrame::StateRequest(request)) if request.run_id == cfg.run_id.as_bytes() => {}
-        Ok(FirstFrame::StateRequest(request)) => {
-            let e = ExchangeError::WrongRun {
-                got: hex::encode(request.run_id),
-            };
-            return refuse_and_report(stream, report, e).await;
-        }
-        Ok(_) => return refuse_and_report(stream, report, ExchangeError::UnexpectedFrame(0)).await,
-        Err(e) => return refuse_and_report(stream, report, e).await,
+    if let Err(e) = first.and_then(|first| check_state_request(first, &cfg.run_id)) {
+        return refuse_and_report(stream, report, e).await;
     }
     let Some((round, payload)) = fresh_state(inner).await else {
         let mut report = report;

@@ -170,6 +170,14 @@ impl Client {
         self.stream_control.clone()
     }
 
+    /// Sends a command that needs no answer.
+    async fn tell(&self, command: Command) -> Result<(), ClientError> {
+        self.commands
+            .send(command)
+            .await
+            .map_err(|_| ClientError::NetworkStopped)
+    }
+
     async fn ask<T>(
         &self,
         make: impl FnOnce(oneshot::Sender<T>) -> Command,
@@ -223,19 +231,13 @@ impl Client {
 
     /// Serves `response` to every manifest request from now on.
     pub async fn serve_manifest(&self, response: ManifestResponse) -> Result<(), ClientError> {
-        self.commands
-            .send(Command::ServeManifest { response })
-            .await
-            .map_err(|_| ClientError::NetworkStopped)
+        self.tell(Command::ServeManifest { response }).await
     }
 
     /// Bans `peer` from this node: its connections are closed and refused from now on, for
     /// QUIC, TCP and relayed ones alike (see [`crate::peer_standing`]).
     pub async fn ban(&self, peer: PeerId) -> Result<(), ClientError> {
-        self.commands
-            .send(Command::Ban { peer })
-            .await
-            .map_err(|_| ClientError::NetworkStopped)
+        self.tell(Command::Ban { peer }).await
     }
 
     /// Closes the run to every peer outside `allowed`: their connections are closed and
@@ -244,18 +246,12 @@ impl Client {
         &self,
         allowed: std::collections::HashSet<PeerId>,
     ) -> Result<(), ClientError> {
-        self.commands
-            .send(Command::CloseRun { allowed })
-            .await
-            .map_err(|_| ClientError::NetworkStopped)
+        self.tell(Command::CloseRun { allowed }).await
     }
 
     /// Sets `peer`'s gossipsub application score (its standing with this node).
     pub async fn set_score(&self, peer: PeerId, score: f64) -> Result<(), ClientError> {
-        self.commands
-            .send(Command::SetScore { peer, score })
-            .await
-            .map_err(|_| ClientError::NetworkStopped)
+        self.tell(Command::SetScore { peer, score }).await
     }
 
     pub async fn shutdown(&self) {

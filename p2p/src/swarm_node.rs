@@ -112,7 +112,7 @@ struct FetchedState {
 /// The fetched states measured against each other and judged.
 struct Judged {
     verdict: StateVerdict,
-    /// `relative[a][b] = ‖s_a − s_b‖ / max(‖s_a‖, ‖s_b‖)`.
+    /// `relative[a][b] = ‖θ_a − θ_b‖ / min(‖θ_a‖, ‖θ_b‖)`, the anchors'.
     relative: Vec<Vec<f64>>,
     fetched: Vec<FetchedState>,
 }
@@ -196,36 +196,54 @@ fn split_error(fetched: &[FetchedState], gate: &GateConfig) -> String {
 }
 
 /// The mean of the `kept` states, each one's outer momentum first clipped to the lower
-/// median of their norms ([`momentum_clip`]), on a blocking thread.
+/// median of their norms ([`momentum_clip`]), on a blocking thread; a single kept state is
+/// taken as it is.
 async fn mean_of(
     mut fetched: Vec<FetchedState>,
     kept: Vec<usize>,
     refused: Vec<RefusedPayload>,
+    disagreement: f64,
 ) -> anyhow::Result<SyncedState> {
     tokio::task::spawn_blocking(move || {
-        let is_momentum = |t: &crate::tensors::Tensor| !is_anchor(t);
-        let norms: Vec<f64> = kept
-            .iter()
-            .map(|&i| fetched[i].state.norm_where(is_momentum))
-            .collect();
-        for (&i, factor) in kept.iter().zip(momentum_clip(&norms)) {
-            if factor < 1.0 {
-                tracing::info!(peer = %fetched[i].peer, factor, "state sync: outer momentum clipped to the median");
-                fetched[i].state.scale_where(factor, is_momentum);
+        let round = kept.iter().map(|&i| fetched[i].round).max().unwrap_or(0);
+        let sources = kept.iter().map(|&i| fetched[i].peer).collect();
+        let state = if let [only] = kept[..] {
+            fetched.swap_remove(only).state
+        } else {
+            let is_momentum = |t: &crate::tensors::Tensor| !is_anchor(t);
+            let norms: Vec<f64> = kept
+                .iter()
+                .map(|&i| fetched[i].state.norm_where(is_momentum))
+                .collect();
+            for (&i, factor) in kept.iter().zip(momentum_clip(&norms)) {
+                if factor < 1.0 {
+                    tracing::info!(peer = %fetched[i].peer, factor, "state sync: outer momentum clipped to the median");
+                    fetched[i].state.scale_where(factor, is_momentum);
+                }
             }
-        }
-        let sets: Vec<&TensorSet> = kept.iter().map(|&i| &fetched[i].state).collect();
-        let state = TensorSet::mean(&sets)
-            .ok_or_else(|| anyhow!("state sync: the kept states' tables differ"))?;
+            let sets: Vec<&TensorSet> = kept.iter().map(|&i| &fetched[i].state).collect();
+            TensorSet::mean(&sets)
+                .ok_or_else(|| anyhow!("state sync: the kept states' tables differ"))?
+        };
         Ok(SyncedState {
-            round: kept.iter().map(|&i| fetched[i].round).max().unwrap_or(0),
+            round,
             state,
-            sources: kept.iter().map(|&i| fetched[i].peer).collect(),
+            sources,
             refused,
-            disagreement: 0.0,
+            disagreement,
         })
     })
     .await?
+}
+
+/// A state refused at sync, logged once.
+fn refuse_state(peer: PeerId, kind: &str, reason: String) -> RefusedPayload {
+    tracing::warn!(%peer, refusal = kind, "refused the peer's state: {reason}");
+    RefusedPayload {
+        peer: peer.to_string(),
+        kind: kind.into(),
+        reason,
+    }
 }
 
 impl SwarmNode {
@@ -419,17 +437,11 @@ impl JoinedNode {
                 for (peer, answer) in answers {
                     match answer {
                         Ok((round, state)) => match state.first_non_finite() {
-                            Some(tensor) => {
-                                let reason = format!(
-                                    "state sync: tensor {tensor} holds a NaN or an infinity"
-                                );
-                                tracing::warn!(%peer, refusal = "non_finite", "refused the peer's state: {reason}");
-                                refused.push(RefusedPayload {
-                                    peer: peer.to_string(),
-                                    kind: "non_finite".into(),
-                                    reason,
-                                });
-                            }
+                            Some(tensor) => refused.push(refuse_state(
+                                peer,
+                                "non_finite",
+                                format!("state sync: tensor {tensor} holds a NaN or an infinity"),
+                            )),
                             None => fetched.push(FetchedState { peer, round, state }),
                         },
                         Err(e) => tracing::info!(%peer, error = %e, "no state from this peer"),
@@ -452,28 +464,21 @@ impl JoinedNode {
                             kept.len(),
                             gate.max_state_disagreement
                         );
-                        tracing::warn!(peer = %fetched[i].peer, refusal = "state_disagrees", "refused the peer's state: {reason}");
-                        refused.push(RefusedPayload {
-                            peer: fetched[i].peer.to_string(),
-                            kind: "state_disagrees".into(),
-                            reason,
-                        });
+                        refused.push(refuse_state(fetched[i].peer, "state_disagrees", reason));
                     }
                     let disagreement = kept
                         .iter()
                         .flat_map(|&a| kept.iter().map(move |&b| (a, b)))
                         .map(|(a, b)| relative[a][b])
                         .fold(0.0, f64::max);
-                    let mut synced = mean_of(fetched, kept, refused).await?;
-                    synced.disagreement = disagreement;
-                    return Ok(Some(synced));
+                    return Ok(Some(mean_of(fetched, kept, refused, disagreement).await?));
                 }
                 StateVerdict::Unchecked => {
                     tracing::warn!(
                         peer = %fetched[0].peer,
                         "state sync: one source only; its state is not cross-checked"
                     );
-                    return Ok(Some(mean_of(fetched, vec![0], refused).await?));
+                    return Ok(Some(mean_of(fetched, vec![0], refused, 0.0).await?));
                 }
                 StateVerdict::Split => {
                     if asked == peers.len() && peers.len() < MAX_STATE_PEERS_ASKED {

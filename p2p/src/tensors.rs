@@ -150,12 +150,7 @@ impl TensorSet {
             .map(|t| t.name.as_str())
     }
 
-    /// `‖s‖`: the L2 norm over every floating-point tensor, summed in f64.
-    pub fn norm(&self) -> f64 {
-        self.norm_where(|_| true)
-    }
-
-    /// The L2 norm over the floating-point tensors `part` picks.
+    /// The L2 norm over the floating-point tensors `part` picks, summed in f64.
     pub fn norm_where(&self, part: impl Fn(&Tensor) -> bool) -> f64 {
         self.tensors
             .iter()
@@ -165,11 +160,6 @@ impl TensorSet {
             .map(|v| f64::from(v) * f64::from(v))
             .sum::<f64>()
             .sqrt()
-    }
-
-    /// `‖self − other‖` over every floating-point tensor; `None` when the two tables differ.
-    pub fn distance(&self, other: &TensorSet) -> Option<f64> {
-        self.distance_where(other, |_| true)
     }
 
     /// `‖self − other‖` over the floating-point tensors `part` picks; `None` when the two
@@ -219,70 +209,59 @@ impl TensorSet {
     /// floating-point tensor kept in its dtype; integer tensors are the first set's. `None`
     /// when `sets` is empty or the tables differ.
     pub fn median(sets: &[&TensorSet]) -> Option<TensorSet> {
-        let (first, rest) = sets.split_first()?;
-        let table = first.specs();
-        if rest.iter().any(|s| s.specs() != table) {
-            return None;
-        }
-        let mut tensors = Vec::with_capacity(first.tensors.len());
-        for (i, tensor) in first.tensors.iter().enumerate() {
-            if tensor.floats().is_none() {
-                tensors.push(tensor.clone());
-                continue;
+        TensorSet::elementwise(sets, |column| {
+            column.sort_by(f64::total_cmp);
+            let n = column.len();
+            if n % 2 == 1 {
+                column[n / 2]
+            } else {
+                (column[n / 2 - 1] + column[n / 2]) / 2.0
             }
-            let columns: Vec<Vec<f32>> = sets
-                .iter()
-                .map(|s| s.tensors[i].floats())
-                .collect::<Option<_>>()?;
-            let mut column = vec![0.0f32; sets.len()];
-            let median: Vec<f32> = (0..columns[0].len())
-                .map(|e| {
-                    for (slot, values) in column.iter_mut().zip(&columns) {
-                        *slot = values[e];
-                    }
-                    column.sort_by(f32::total_cmp);
-                    let n = column.len();
-                    if n % 2 == 1 {
-                        column[n / 2]
-                    } else {
-                        ((f64::from(column[n / 2 - 1]) + f64::from(column[n / 2])) / 2.0) as f32
-                    }
-                })
-                .collect();
-            tensors.push(Tensor {
-                data: Tensor::encode_floats(tensor.dtype, &median)?,
-                ..tensor.clone()
-            });
-        }
-        Some(TensorSet::new(tensors))
+        })
     }
 
     /// The element-wise mean of `sets`, each floating-point tensor kept in its dtype
     /// (summed in f64); integer tensors are the first set's. `None` when `sets` is empty or
     /// the tables differ.
     pub fn mean(sets: &[&TensorSet]) -> Option<TensorSet> {
+        TensorSet::elementwise(sets, |column| {
+            column.iter().sum::<f64>() / column.len() as f64
+        })
+    }
+
+    /// Each floating-point element of the result is `reduce` of that element across `sets`
+    /// (in f64, in the sets' order), encoded in the tensor's dtype; integer tensors are the
+    /// first set's. `None` when `sets` is empty or the tables differ.
+    fn elementwise(
+        sets: &[&TensorSet],
+        mut reduce: impl FnMut(&mut [f64]) -> f64,
+    ) -> Option<TensorSet> {
         let (first, rest) = sets.split_first()?;
         let table = first.specs();
         if rest.iter().any(|s| s.specs() != table) {
             return None;
         }
-        let count = sets.len() as f64;
         let mut tensors = Vec::with_capacity(first.tensors.len());
         for (i, tensor) in first.tensors.iter().enumerate() {
-            let Some(values) = tensor.floats() else {
-                tensors.push(tensor.clone());
+            let Some(columns) = sets
+                .iter()
+                .map(|s| s.tensors[i].floats())
+                .collect::<Option<Vec<Vec<f32>>>>()
+            else {
+                tensors.push(tensor.clone()); // an integer tensor
                 continue;
             };
-            let mut sum: Vec<f64> = values.into_iter().map(f64::from).collect();
-            for set in rest {
-                let other = set.tensors[i].floats()?;
-                for (acc, v) in sum.iter_mut().zip(other) {
-                    *acc += f64::from(v);
-                }
-            }
-            let mean: Vec<f32> = sum.iter().map(|v| (v / count) as f32).collect();
+            let mut column = vec![0.0f64; sets.len()];
+            let values: Vec<f32> = (0..columns[0].len())
+                .map(|e| {
+                    for (slot, values) in column.iter_mut().zip(&columns) {
+                        *slot = f64::from(values[e]);
+                    }
+                    reduce(&mut column) as f32
+                })
+                .collect();
             tensors.push(Tensor {
-                data: Tensor::encode_floats(tensor.dtype, &mean)?,
+                data: Tensor::encode_floats(tensor.dtype, &values)?,
                 ..tensor.clone()
             });
         }
@@ -378,8 +357,12 @@ mod tests {
         for dtype in [DType::F32, DType::Bf16, DType::F16] {
             let a = set(&[3.0, 4.0], dtype);
             let b = set(&[0.0, 0.0], dtype);
-            assert_eq!(a.norm(), 5.0, "{dtype:?}: integers do not count");
-            assert_eq!(a.distance(&b), Some(5.0));
+            assert_eq!(
+                a.norm_where(|_| true),
+                5.0,
+                "{dtype:?}: integers do not count"
+            );
+            assert_eq!(a.distance_where(&b, |_| true), Some(5.0));
             let mean = TensorSet::mean(&[&a, &b, &set(&[3.0, 8.0], dtype)]).unwrap();
             assert_eq!(mean.tensors[0].floats().unwrap(), vec![2.0, 4.0]);
             assert_eq!(mean.tensors[0].dtype, dtype);
@@ -394,7 +377,10 @@ mod tests {
             assert_eq!(scaled.tensors[1], a.tensors[1], "integers stay");
         }
         let other = set(&[1.0, 2.0, 3.0], DType::F32);
-        assert_eq!(set(&[1.0, 2.0], DType::F32).distance(&other), None);
+        assert_eq!(
+            set(&[1.0, 2.0], DType::F32).distance_where(&other, |_| true),
+            None
+        );
         assert!(TensorSet::mean(&[&set(&[1.0, 2.0], DType::F32), &other]).is_none());
         assert!(TensorSet::mean(&[]).is_none());
     }

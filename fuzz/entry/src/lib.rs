@@ -13,9 +13,9 @@ use futures::io::{AsyncRead, AsyncWrite, Cursor};
 use gasloc_p2p::config::{NetworkConfig, Role};
 use gasloc_p2p::control::{ControlReject, ControlValidator};
 use gasloc_p2p::exchange::{
-    check_header, read_checked_header, read_first_frame, receive_tensors, refuse, run_initiator,
-    run_responder, ExchangeError, ExchangeLimits, Expectation, FirstFrame, OutgoingPayload,
-    SendOptions,
+    check_header, check_state_request, read_checked_header, read_first_frame, receive_tensors,
+    refuse, run_initiator, run_responder, ExchangeError, ExchangeLimits, Expectation, FirstFrame,
+    OutgoingPayload, SendOptions,
 };
 use gasloc_p2p::schedule::Timing;
 use gasloc_p2p::tensors::{Tensor, TensorSet, TensorSpec};
@@ -244,15 +244,8 @@ pub fn exchange_frames(data: &[u8]) -> Result<TensorSet, ExchangeError> {
 pub fn state_request(data: &[u8]) -> Result<StateRequest, ExchangeError> {
     let mut stream = PeerStream::new(data);
     let limits = ExchangeLimits::default();
-    let result = futures::executor::block_on(async {
-        match read_first_frame(&mut stream, &limits).await? {
-            FirstFrame::StateRequest(r) if r.run_id == run_id().as_bytes() => Ok(r),
-            FirstFrame::StateRequest(r) => Err(ExchangeError::WrongRun {
-                got: hex::encode(r.run_id),
-            }),
-            _ => Err(ExchangeError::UnexpectedFrame(0)),
-        }
-    });
+    let result = futures::executor::block_on(read_first_frame(&mut stream, &limits))
+        .and_then(|first| check_state_request(first, &run_id()));
     if let Err(e) = &result {
         if let Some(refusal) = e.refusal() {
             let _ = futures::executor::block_on(refuse(&mut stream, &refusal));
