@@ -248,7 +248,7 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
     let now_round = timing.round_at(unix_ms()).unwrap_or(0);
     let wants_state = match started_from {
         StartedFrom::Seed => now_round > 0,
-        StartedFrom::Checkpoint { round } if now_round > round + 1 => {
+        StartedFrom::Checkpoint { round } if now_round > round.saturating_add(1) => {
             println!("state_sync=stale checkpoint_round={round} swarm_round={now_round}");
             true
         }

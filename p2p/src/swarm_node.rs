@@ -19,7 +19,7 @@ use crate::config::NetworkConfig;
 use crate::driver::{DriverOptions, RoundDriver, RoundRecord};
 use crate::exchange_service::{ExchangeConfig, ExchangeService};
 use crate::manifest_service::verify_manifest_response;
-use crate::network::{self, Client, ClientError, Network, NetworkEvent};
+use crate::network::{self, unix_ms, Client, ClientError, Network, NetworkEvent};
 use crate::schedule::Timing;
 use crate::tensors::{TensorSet, TensorSpec};
 use crate::work::RoundWork;
@@ -434,8 +434,17 @@ impl JoinedNode {
                     }
                 }))
                 .await;
+                // A live node serves the state its last outer step made: for the round in
+                // progress or the next (one more for clock skew). The round a peer claims
+                // becomes this node's, so a later one is refused like a bad value.
+                let latest = self.timing.round_at(unix_ms()).map_or(0, |r| r + 2);
                 for (peer, answer) in answers {
                     match answer {
+                        Ok((round, _)) if round > latest => refused.push(refuse_state(
+                            peer,
+                            "future_round",
+                            format!("state sync: the state claims round {round}, after {latest}"),
+                        )),
                         Ok((round, state)) => match state.first_non_finite() {
                             Some(tensor) => refused.push(refuse_state(
                                 peer,

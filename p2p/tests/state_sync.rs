@@ -105,8 +105,8 @@ async fn a_state_request_waits_for_the_state_the_next_outer_step_makes() {
     assert!(got == *state);
 }
 
-/// Source nodes and a joiner wired as `join` wires them, in one run whose first round is
-/// far in the future (nobody takes part in a round, so states are served at once).
+/// Source nodes and a joiner wired as `join` wires them, in a run at round 10 (no driver runs:
+/// nobody takes part in a round, so states are served at once).
 async fn sources_and_joiner(
     sources: usize,
 ) -> (
@@ -121,7 +121,8 @@ async fn sources_and_joiner(
     init_tracing();
     let run_id = gasloc_proto::RunId::from_bytes([3; 32]);
     let timing = Timing {
-        genesis_ms: unix_ms() + 3_600_000,
+        // Round 10 is in progress (the sources serve states up to round 12).
+        genesis_ms: unix_ms() - 100_000,
         period_ms: 10_000,
         commit_window_ms: 1000,
         reveal_window_ms: 1000,
@@ -213,6 +214,27 @@ async fn a_joiner_outvotes_a_poisoned_state_and_starts_from_the_mean_of_the_hone
     assert_eq!(synced.round, 6, "the latest round of the kept sources");
     assert!(synced.state == TensorSet::mean(&[&honest_a, &honest_b]).unwrap());
     assert_eq!(synced.report().sources.len(), 2);
+}
+
+/// The round a source claims becomes the joiner's: one after the swarm's next is refused
+/// like a bad value (a round of `u64::MAX` would overflow the next round's number).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_joiner_refuses_a_state_claiming_a_round_the_swarm_has_not_reached() {
+    let (sources, joiner) = sources_and_joiner(2).await;
+    let good = state_of(|i| i as f32 * 0.25);
+    serve(&sources[0], u64::MAX, &good);
+    serve(&sources[1], 11, &good);
+    let table = Arc::new(good.specs());
+    let gate = gasloc_proto::manifest::GateConfig::default();
+    let synced = joiner
+        .sync_state(&[], table, &gate)
+        .await
+        .unwrap()
+        .expect("the honest state");
+    assert_eq!(synced.sources, vec![sources[1].peer_id()]);
+    assert_eq!(synced.round, 11);
+    assert_eq!(synced.refused.len(), 1, "{:?}", synced.refused);
+    assert_eq!(synced.refused[0].kind, "future_round");
 }
 
 /// A well-formed state holding a NaN is refused by name; the one finite source left is
