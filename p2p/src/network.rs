@@ -20,7 +20,7 @@ use libp2p::gossipsub::{self, IdentTopic};
 use libp2p::identity::Keypair;
 use libp2p::multiaddr::Protocol;
 use libp2p::request_response::{self, OutboundRequestId};
-use libp2p::swarm::dial_opts::DialOpts;
+use libp2p::swarm::dial_opts::{DialOpts, PeerCondition};
 use libp2p::swarm::{ConnectionId, DialError, SwarmEvent};
 use libp2p::{autonat, dcutr, identify, kad, mdns, Multiaddr, PeerId, Swarm};
 use prost::Message;
@@ -631,13 +631,28 @@ impl EventLoop {
             }
             GaslocBehaviourEvent::Manifest(event) => self.on_manifest_event(event),
             GaslocBehaviourEvent::Mdns(mdns::Event::Discovered(found)) => {
+                let mut by_peer: HashMap<PeerId, Vec<Multiaddr>> = HashMap::new();
                 for (peer, address) in found {
                     self.swarm.add_peer_address(peer, address.clone());
                     self.swarm
                         .behaviour_mut()
                         .kad
                         .add_address(&peer, address.clone());
-                    let _ = self.swarm.dial(address);
+                    by_peer.entry(peer).or_default().push(address);
+                }
+                // Two nodes on a LAN hear each other's answers at the same moment and dial at
+                // once. Dialling TCP from the listen port (libp2p's default) would then make
+                // both dials one TCP connection by simultaneous open, which both ends take
+                // for their own outbound one, and the handshake fails on both sides. A fresh
+                // port per dial keeps them two connections; one dial per peer, not per address.
+                for (peer, addresses) in by_peer {
+                    let _ = self.swarm.dial(
+                        DialOpts::peer_id(peer)
+                            .addresses(addresses)
+                            .condition(PeerCondition::DisconnectedAndNotDialing)
+                            .allocate_new_port()
+                            .build(),
+                    );
                 }
             }
             GaslocBehaviourEvent::Dcutr(dcutr::Event {

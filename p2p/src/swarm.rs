@@ -17,6 +17,8 @@ use sha2::{Digest, Sha256};
 pub const KAD_PROTOCOL: StreamProtocol = StreamProtocol::new("/gasloc/kad/1");
 /// Identify protocol version string.
 pub const IDENTIFY_PROTOCOL: &str = "/gasloc/1";
+/// How often a node with `--mdns` asks the LAN for peers once its first probes are done.
+pub const MDNS_QUERY_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The behaviours of a gasloc process. Role-specific parts are toggled off elsewhere.
 #[derive(NetworkBehaviour)]
@@ -151,8 +153,14 @@ fn build_behaviour(
     });
     let dcutr = (config.role == Role::Node).then(|| dcutr::Behaviour::new(peer_id));
     let mdns = if config.mdns {
+        // libp2p's default asks again only every 5 minutes once its first probes are done:
+        // a node whose first queries went unanswered (its neighbour was still starting its
+        // listeners) would wait that long. One query per 10 s is little traffic on a LAN.
         Some(mdns::tokio::Behaviour::new(
-            mdns::Config::default(),
+            mdns::Config {
+                query_interval: MDNS_QUERY_INTERVAL,
+                ..Default::default()
+            },
             peer_id,
         )?)
     } else {

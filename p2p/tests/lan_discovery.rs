@@ -49,7 +49,7 @@ fn run_pair(lan: &Namespaces, mdns: bool, wait_s: u64) -> [Output; 2] {
     let exe = std::env::current_exe().expect("test executable path");
     let spawn = |index: usize| {
         lan.command(index, "timeout")
-            .arg("60")
+            .arg((wait_s + 30).to_string())
             .arg(&exe)
             .args(["--exact", TEST, "--nocapture", "--test-threads", "1"])
             .env(
@@ -81,6 +81,11 @@ fn field<'a>(out: &'a Output, key: &str) -> Option<&'a str> {
 fn two_nodes_on_a_lan_find_each_other_with_mdns_and_not_without() {
     if let Ok(listen) = std::env::var("LAN_PEER_LISTEN") {
         // A node inside one of the namespaces.
+        // What mDNS sent and heard, on stderr: the parent prints it when a node failed.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("libp2p_mdns=debug,libp2p_swarm=debug")
+            .with_writer(std::io::stderr)
+            .try_init();
         let mdns = std::env::var("LAN_PEER_MDNS").as_deref() == Ok("on");
         let wait_s: u64 = std::env::var("LAN_PEER_WAIT_S").unwrap().parse().unwrap();
         let runtime = tokio::runtime::Runtime::new().unwrap();
@@ -95,12 +100,17 @@ fn two_nodes_on_a_lan_find_each_other_with_mdns_and_not_without() {
     let lan = Namespaces::create(&["glmdns-a", "glmdns-b"]);
     lan.link(0, "10.214.0.1/24", 1, "10.214.0.2/24");
 
-    let [a, b] = run_pair(&lan, true, 30);
+    // Both start at once, so the first queries may find no listener yet: the wait covers
+    // several of the later queries (every MDNS_QUERY_INTERVAL).
+    let [a, b] = run_pair(&lan, true, 60);
     for out in [&a, &b] {
         assert!(
             out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
+            "a: {}\n{}\nb: {}\n{}",
+            String::from_utf8_lossy(&a.stdout),
+            String::from_utf8_lossy(&a.stderr),
+            String::from_utf8_lossy(&b.stdout),
+            String::from_utf8_lossy(&b.stderr)
         );
     }
     let (id_a, id_b) = (
