@@ -38,7 +38,7 @@ stop() {
   echo "logs, reports and checkpoints: $dir"
   exit 0
 }
-trap stop INT TERM
+trap stop INT TERM HUP
 
 # The bootstrap: round timing for a small CPU swarm. Rounds follow the wall clock; each node
 # fits its inner steps to the period (adaptive H_i when the manifest asks for it).
@@ -92,14 +92,20 @@ while :; do
     reported=$((reported + 1))
     total_bytes=$((total_bytes + bytes))
   done
+  # A round that some node reported is printed; a round no node reported means every node
+  # has left (or skipped it): fall through to the check below, never spin on later rounds.
   if [ $complete = 1 ]; then
     [ "$reported" -gt 0 ] && echo "$line  sent=$((total_bytes / 1000)) kB"
     next=$((next + 1))
-    continue
+    [ "$reported" -gt 0 ] && continue
   fi
-  # Stop when every node has exited (e.g. after --rounds).
+  # Stop when every node has exited: after --rounds, or when a signal reached the nodes but
+  # not this script (a shell started in the background from a script ignores SIGINT, and
+  # bash cannot trap a signal ignored on entry).
   alive=0
   for p in "${pids[@]:1}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+  # A round every live node skipped: go on to the next at once.
+  [ $alive = 1 ] && [ $complete = 1 ] && continue
   if [ $alive = 0 ]; then
     echo "every node has left"
     for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
