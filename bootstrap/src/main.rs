@@ -10,10 +10,10 @@
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gasloc_p2p::config::{NetworkConfig, Role};
+use gasloc_p2p::manifest_service::manifest_response;
 use gasloc_p2p::network::{self, unix_ms, NetworkEvent};
 use gasloc_p2p::schedule::Timing;
 use gasloc_proto::topology::Topology;
-use gasloc_proto::wire::ManifestResponse;
 use gasloc_proto::RunManifest;
 use gasloc_status::{BootstrapMetrics, BootstrapStatus, StatusServer};
 use libp2p::Multiaddr;
@@ -211,13 +211,7 @@ async fn main() -> Result<()> {
     std::io::stdout().flush()?;
 
     client
-        .serve_manifest(ManifestResponse {
-            run_id: run_id.to_vec(),
-            manifest_toml: String::from_utf8(manifest.canonical_bytes())
-                .context("canonical manifest is UTF-8")?,
-            timing: Some(timing.to_wire()),
-            error: String::new(),
-        })
+        .serve_manifest(manifest_response(&manifest, &timing))
         .await?;
     client.join_run(run_id, Some(timing)).await?;
 

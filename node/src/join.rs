@@ -9,11 +9,12 @@
 
 use crate::device::{device_name, parse_device};
 use crate::volunteer::{Start, Volunteer, VolunteerOptions};
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{bail, Context, Result};
 use gasloc_p2p::config::{NetworkConfig, Role};
 use gasloc_p2p::driver::{DriverOptions, RoundRecord};
 use gasloc_p2p::exchange::SendOptions;
-use gasloc_p2p::network::{peer_id_of, unix_ms};
+use gasloc_p2p::manifest_service::manifest_response;
+use gasloc_p2p::network::unix_ms;
 use gasloc_p2p::peer_standing::{BanFile, PeerStanding};
 use gasloc_p2p::swarm_node::{Participation, SwarmNode};
 use gasloc_p2p::synthetic::SyntheticTrainer;
@@ -32,7 +33,10 @@ use tokio_util::sync::CancellationToken;
 /// Arguments of `gasloc-node join`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct JoinArgs {
-    /// A bootstrap node's full address, ending in /p2p/<peer id>. Repeatable.
+    /// Where to enter the run: a bootstrap node's or any live node's address, ending in
+    /// /p2p/<peer id>. Without the peer id (`/dns4/bootstrap/tcp/4001`, as in a compose
+    /// network) whoever answers there is trusted to serve the manifest: give --run-id to pin
+    /// the run. Repeatable.
     #[arg(long = "bootstrap", required = true)]
     pub bootstrap: Vec<Multiaddr>,
     /// Addresses to listen on. Repeatable.
@@ -159,17 +163,6 @@ impl JoinArgs {
         c.discovery_interval = Duration::from_secs(5);
         c
     }
-
-    /// The bootstrap nodes' peer ids (each `--bootstrap` must name one).
-    fn bootstrap_peers(&self) -> Result<Vec<PeerId>> {
-        self.bootstrap
-            .iter()
-            .map(|a| {
-                peer_id_of(a)
-                    .ok_or_else(|| anyhow!("--bootstrap {a} does not end in /p2p/<peer id>"))
-            })
-            .collect()
-    }
 }
 
 /// Runs `gasloc-node join` to completion on a fresh tokio runtime: until `--rounds` rounds
@@ -200,7 +193,6 @@ pub fn run(args: JoinArgs) -> Result<()> {
 }
 
 async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
-    let bootstrap_peers = args.bootstrap_peers()?;
     let identity = args
         .identity
         .clone()
@@ -208,6 +200,7 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
     let keypair = gasloc_p2p::identity::load_or_create(&identity)?;
     let mut registry = prometheus_client::registry::Registry::default();
     let node = SwarmNode::start(keypair, args.network_config(), Some(&mut registry)).await?;
+    let bootstrap_peers = node.bootstrap_peers().to_vec();
     let me = node.peer_id();
     println!("peer_id={me}");
     for address in node.listen_addrs() {
@@ -218,6 +211,10 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
     node.close_run(&manifest, &bootstrap_peers).await?;
     let run_id = manifest.run_id();
     println!("run_id={run_id} name={}", manifest.name);
+    // Any member brings newcomers in: the run goes on being joinable with no bootstrap left.
+    node.client()
+        .serve_manifest(manifest_response(&manifest, &timing))
+        .await?;
 
     let (status, status_rx) = tokio::sync::watch::channel(NodeStatus {
         peer_id: me.to_string(),
@@ -479,15 +476,5 @@ mod tests {
             .expect("a run id that is not hex is refused")
             .to_string();
         assert!(err.contains("'g' at position 2 is not one"), "{err}");
-    }
-
-    #[test]
-    fn a_bootstrap_address_without_a_peer_id_is_refused_naming_it() {
-        let cli = Cli::try_parse_from(["join", "--bootstrap", "/ip4/127.0.0.1/tcp/4001"]).unwrap();
-        let err = cli.join.bootstrap_peers().unwrap_err().to_string();
-        assert!(
-            err.contains("--bootstrap /ip4/127.0.0.1/tcp/4001 does not end in /p2p/<peer id>"),
-            "{err}"
-        );
     }
 }

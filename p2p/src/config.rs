@@ -22,6 +22,9 @@ pub struct NetworkConfig {
     pub role: Role,
     pub listen: Vec<Multiaddr>,
     pub bootstrap: Vec<Multiaddr>,
+    /// How long a bootstrap address without `/p2p/<id>` is dialled (once a second) before
+    /// starting fails naming it: the bootstrap may be a container starting beside this one.
+    pub bootstrap_dial_patience: Duration,
     /// Discover peers on the LAN with mDNS.
     pub mdns: bool,
     /// Listen through a relay circuit on each bootstrap node from the start, for a node that
@@ -77,6 +80,7 @@ impl NetworkConfig {
             role,
             listen: Vec::new(),
             bootstrap: Vec::new(),
+            bootstrap_dial_patience: Duration::from_secs(30),
             mdns: false,
             relay_listen: false,
             autonat_private_ips: false,

@@ -3,7 +3,12 @@
 //! Each message is a u32 little-endian length followed by a protobuf `ManifestRequest`
 //! (at most 1 KiB) or `ManifestResponse` (at most 1 MiB). The requester verifies the run
 //! id itself (see [`verify_manifest_response`]).
+//!
+//! Every member of a run serves it: the bootstrap nodes from the start, and each node once
+//! it holds the verified manifest, so that a newcomer can join through any live node's
+//! address when no bootstrap node is left ([`manifest_response`] builds what both serve).
 
+use crate::schedule::Timing;
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use gasloc_proto::wire::{ManifestRequest, ManifestResponse};
 use gasloc_proto::{RunId, RunManifest};
@@ -81,6 +86,18 @@ impl libp2p::request_response::Codec for ManifestCodec {
         res: ManifestResponse,
     ) -> io::Result<()> {
         write_message(io, &res).await
+    }
+}
+
+/// What a member of the run serves to a manifest request: the canonical manifest, its run
+/// id and the round timing.
+pub fn manifest_response(manifest: &RunManifest, timing: &Timing) -> ManifestResponse {
+    ManifestResponse {
+        run_id: manifest.run_id().to_vec(),
+        // Canonical bytes are TOML, written by us: UTF-8 by construction.
+        manifest_toml: String::from_utf8_lossy(&manifest.canonical_bytes()).into_owned(),
+        timing: Some(timing.to_wire()),
+        error: String::new(),
     }
 }
 

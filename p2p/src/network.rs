@@ -11,7 +11,7 @@ use crate::config::{NetworkConfig, Role};
 use crate::control::{run_topic, ControlValidator};
 use crate::schedule::Timing;
 use crate::swarm::{build_swarm, GaslocBehaviour, GaslocBehaviourEvent};
-use anyhow::{anyhow, Context};
+use anyhow::{anyhow, bail, Context};
 use futures::StreamExt;
 use gasloc_proto::wire::{ControlMessage, ManifestRequest, ManifestResponse};
 use gasloc_proto::RunId;
@@ -119,7 +119,9 @@ pub enum Command {
     },
     Dial {
         address: Multiaddr,
-        reply: oneshot::Sender<Result<(), ClientError>>,
+        /// The peer that answers becomes a bootstrap node of this node.
+        bootstrap: bool,
+        reply: oneshot::Sender<Result<PeerId, ClientError>>,
     },
     RequestManifest {
         peer: PeerId,
@@ -157,6 +159,9 @@ pub struct Network {
     pub client: Client,
     pub events: mpsc::UnboundedReceiver<NetworkEvent>,
     pub listen_addrs: Vec<Multiaddr>,
+    /// The bootstrap nodes (`config.bootstrap`): the peer id each address names, or, for an
+    /// address without `/p2p/<id>`, the peer that answered there.
+    pub bootstrap_peers: Vec<PeerId>,
     pub task: tokio::task::JoinHandle<()>,
 }
 
@@ -217,9 +222,26 @@ impl Client {
         self.ask(|reply| Command::ConnectedPeers { reply }).await
     }
 
-    /// Dials `address`; returns once the connection is established or failed.
-    pub async fn dial(&self, address: Multiaddr) -> Result<(), ClientError> {
-        self.ask(|reply| Command::Dial { address, reply }).await?
+    /// Dials `address`; returns the peer connected to, once the connection is established,
+    /// or the error.
+    pub async fn dial(&self, address: Multiaddr) -> Result<PeerId, ClientError> {
+        self.ask(|reply| Command::Dial {
+            address,
+            bootstrap: false,
+            reply,
+        })
+        .await?
+    }
+
+    /// Dials a bootstrap address that names no peer id (`/dns4/bootstrap/tcp/4001`): the
+    /// peer that answers there is taken as a bootstrap node from then on.
+    async fn dial_bootstrap(&self, address: Multiaddr) -> Result<PeerId, ClientError> {
+        self.ask(|reply| Command::Dial {
+            address,
+            bootstrap: true,
+            reply,
+        })
+        .await?
     }
 
     /// Asks `peer` for the manifest it serves (the response is not verified here: see
@@ -323,19 +345,24 @@ pub async fn start_with_metrics(
         }
     }
     let mut bootstrap_peers = HashSet::new();
+    let mut unpinned = Vec::new();
     for address in &config.bootstrap {
-        if let Some(peer) = peer_id_of(address) {
-            bootstrap_peers.insert(peer);
-            swarm.add_peer_address(peer, address.clone());
-            swarm
-                .behaviour_mut()
-                .kad
-                .add_address(&peer, address.clone());
-        }
+        let Some(peer) = peer_id_of(address) else {
+            unpinned.push(address.clone());
+            continue;
+        };
+        bootstrap_peers.insert(peer);
+        swarm.add_peer_address(peer, address.clone());
+        swarm
+            .behaviour_mut()
+            .kad
+            .add_address(&peer, address.clone());
         swarm
             .dial(address.clone())
             .with_context(|| format!("cannot dial bootstrap address {address}"))?;
     }
+    let mut pinned: Vec<PeerId> = bootstrap_peers.iter().copied().collect();
+    let patience = config.bootstrap_dial_patience;
     let (commands_tx, commands_rx) = mpsc::channel(256);
     let (events_tx, events_rx) = mpsc::unbounded_channel();
     let stream_control = swarm.behaviour().stream.new_control();
@@ -358,16 +385,49 @@ pub async fn start_with_metrics(
         metrics,
     };
     let task = tokio::spawn(event_loop.run());
+    let client = Client {
+        commands: commands_tx,
+        peer_id,
+        stream_control,
+    };
+    for address in unpinned {
+        pinned.push(resolve_bootstrap(&client, address, patience).await?);
+    }
     Ok(Network {
-        client: Client {
-            commands: commands_tx,
-            peer_id,
-            stream_control,
-        },
+        client,
         events: events_rx,
         listen_addrs,
+        bootstrap_peers: pinned,
         task,
     })
+}
+
+/// Learns who answers at a bootstrap address that names no peer id, dialling it every
+/// second for `patience`. The peer is not pinned, so whoever answers there is trusted to
+/// serve the manifest: the run id (`--run-id`) still pins the run itself.
+async fn resolve_bootstrap(
+    client: &Client,
+    address: Multiaddr,
+    patience: Duration,
+) -> anyhow::Result<PeerId> {
+    let deadline = tokio::time::Instant::now() + patience;
+    loop {
+        match client.dial_bootstrap(address.clone()).await {
+            Ok(peer) => {
+                tracing::info!(%address, %peer, "bootstrap address without a peer id answered");
+                return Ok(peer);
+            }
+            Err(ClientError::NetworkStopped) => bail!("the network stopped"),
+            Err(error) if tokio::time::Instant::now() >= deadline => bail!(
+                "no bootstrap node answered at {address} within {}s: {error}",
+                patience.as_secs()
+            ),
+            Err(error) => {
+                tracing::debug!(%address, %error, "bootstrap not reachable yet; dialling again");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
 }
 
 /// A manifest request in flight: whom it went to, and who waits for the answer.
@@ -376,7 +436,12 @@ type PendingManifest = (
     oneshot::Sender<Result<ManifestResponse, ClientError>>,
 );
 /// A dial in flight: the address, and who waits for the connection.
-type PendingDial = (Multiaddr, oneshot::Sender<Result<(), ClientError>>);
+/// A dial in flight: its address, whether the peer is to be a bootstrap node, who waits.
+type PendingDial = (
+    Multiaddr,
+    bool,
+    oneshot::Sender<Result<PeerId, ClientError>>,
+);
 
 /// Owns the swarm; runs until `Shutdown` or until every `Client` is dropped.
 pub struct EventLoop {
@@ -491,12 +556,16 @@ impl EventLoop {
             Command::ConnectedPeers { reply } => {
                 let _ = reply.send(self.swarm.connected_peers().copied().collect());
             }
-            Command::Dial { address, reply } => {
+            Command::Dial {
+                address,
+                bootstrap,
+                reply,
+            } => {
                 let opts = DialOpts::from(address.clone());
                 let id = opts.connection_id();
                 match self.swarm.dial(opts) {
                     Ok(()) => {
-                        self.pending_dials.insert(id, (address, reply));
+                        self.pending_dials.insert(id, (address, bootstrap, reply));
                     }
                     Err(error) => {
                         let _ = reply.send(Err(ClientError::Dial { address, error }));
@@ -559,8 +628,13 @@ impl EventLoop {
                 num_established,
                 ..
             } => {
-                if let Some((_, reply)) = self.pending_dials.remove(&connection_id) {
-                    let _ = reply.send(Ok(()));
+                if let Some((address, bootstrap, reply)) = self.pending_dials.remove(&connection_id)
+                {
+                    if bootstrap {
+                        self.bootstrap_peers.insert(peer_id);
+                        self.swarm.add_peer_address(peer_id, address);
+                    }
+                    let _ = reply.send(Ok(peer_id));
                 }
                 if endpoint.is_relayed() {
                     self.relayed.entry(peer_id).or_default().push(connection_id);
@@ -601,7 +675,7 @@ impl EventLoop {
                 peer_id,
             } => {
                 tracing::debug!(?peer_id, %error, "outgoing connection failed");
-                if let Some((address, reply)) = self.pending_dials.remove(&connection_id) {
+                if let Some((address, _, reply)) = self.pending_dials.remove(&connection_id) {
                     let _ = reply.send(Err(ClientError::Dial { address, error }));
                 }
             }

@@ -266,6 +266,12 @@ impl SwarmNode {
         &self.network.client
     }
 
+    /// The bootstrap nodes it was started with (for an address that named no peer id, the
+    /// peer that answered there).
+    pub fn bootstrap_peers(&self) -> &[PeerId] {
+        &self.network.bootstrap_peers
+    }
+
     /// The addresses the node listens on (without its `/p2p/<id>`).
     pub fn listen_addrs(&self) -> &[Multiaddr] {
         &self.network.listen_addrs
