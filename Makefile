@@ -19,16 +19,17 @@ export GASLOC_PYTHON := $(PYTHON)
 
 NODE := target/debug/gasloc-node
 
-.PHONY: help setup venv chromium nettools build demo-data demo test bench fuzz clean
+.PHONY: help setup venv chromium nettools imagetools build demo-data demo test image bench fuzz clean
 
 help:
 	@echo "make demo   set up, build, and run a local swarm (bootstrap + 4 nodes) on Shakespeare"
 	@echo "make test   set up, then formatting, clippy (warnings denied) and every test"
 	@echo "make setup  the .venv with torch $(TORCH_VERSION) + transformers, and the demo data"
+	@echo "make image  the container image for deploy/compose.yaml (docker-compose; see README)"
 	@echo "make bench  the benchmarks in bench/ (see docs/performance.md)"
 	@echo "make fuzz   each fuzz target for FUZZ_TIME seconds (default 30; see docs/fuzzing.md)"
 
-setup: venv chromium nettools demo-data
+setup: venv chromium nettools imagetools demo-data
 
 # Debian's Chromium, for the dashboard test (headless).
 chromium:
@@ -43,6 +44,13 @@ nettools:
 		command -v ip >/dev/null && command -v iptables >/dev/null || { \
 			apt-get update -qq && apt-get install -y -qq iproute2 iptables >/dev/null; }; \
 	fi
+
+# patchelf, for the container image (deploy/docker/build-image.sh): it takes libtorch_cuda.so
+# out of the staged binaries' needed libraries (CUDA is not in the image).
+imagetools:
+	@command -v patchelf >/dev/null || { \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq patchelf >/dev/null; \
+		else sudo apt-get update -qq && sudo apt-get install -y -qq patchelf >/dev/null; fi; }
 
 venv: $(VENV)/.ready $(VENV)/torch
 
@@ -71,6 +79,12 @@ test: setup
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	cargo test --workspace
+
+# The container image (FROM scratch, nothing pulled; docs/operations.md), of the release
+# binaries. Cached: rebuilt only when a binary, a library or the Dockerfile changed.
+image: setup
+	cargo build --release --workspace
+	bash deploy/docker/build-image.sh target/release
 
 bench: setup
 	cargo build --release --workspace

@@ -12,7 +12,7 @@
 
 mod adversaries;
 
-use adversaries::{mixed_peers, peers, Poison, Swarm, MANIFEST};
+use adversaries::{mixed_peers, peers, Poison, Swarm};
 use gasloc_tests::{join_command, read_report, Proc};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -24,7 +24,7 @@ const ROUNDS: u64 = 7;
 const TIMING: [u64; 4] = [15_000, 5_000, 500, 2_500];
 
 fn manifest() -> String {
-    format!("{MANIFEST}[gate]\nmin_cosine = 0.2\n")
+    format!("{}[gate]\nmin_cosine = 0.2\n", adversaries::manifest())
 }
 
 /// One run: `honest` join processes (identities `keys/node<i>.key`, the same in every run,

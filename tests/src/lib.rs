@@ -282,6 +282,22 @@ pub fn synthetic_run(name: &str) -> String {
     )
 }
 
+/// A run manifest of the tiny model on byte tokens, as the training tests use it: 32-token
+/// sequences, batches of 8, AdamW at 3e-3, 4 validation batches; `outer` is the body of its
+/// `[outer]` section (topology, inner steps, …).
+pub fn tiny_run(name: &str, seed: u64, outer: &str) -> String {
+    format!(
+        "name = \"{name}\"\nseed = {seed}\n[model]\nsize = \"tiny\"\n[data]\ntokenizer = \"byte\"\n\
+         seq_len = 32\nmicro_batch = 8\n[optimizer]\nlr = 3e-3\nwarmup_steps = 10\n\
+         decay_steps = 2000\n[eval]\nbatches = 4\n[outer]\n{outer}"
+    )
+}
+
+/// The `[outer]` section of the tests that train with faults: one-peer, adaptive H_i.
+pub const ADAPTIVE_ONE_PEER: &str = "topology = \"one-peer\"\ninner_steps = 20\n\
+    adaptive_inner_steps = true\nmin_inner_steps = 2\nmax_inner_steps = 2000\nlr = 0.7\n\
+    momentum = 0.9\n";
+
 /// Deterministic English-like text: a few sentences in a pseudo-random order.
 pub fn sample_text(bytes: usize) -> String {
     const SENTENCES: [&str; 6] = [

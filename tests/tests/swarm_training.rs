@@ -12,37 +12,13 @@
 //! mean is within a stated margin of one node trained alone for as many steps.
 
 use gasloc_tests::{
-    built_binary, field, join_command, prepare_byte_data, read_report, start_bootstrap, Proc,
+    built_binary, field, join_command, prepare_byte_data, read_report, start_bootstrap, tiny_run,
+    Proc, ADAPTIVE_ONE_PEER,
 };
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
-
-const MANIFEST: &str = r#"
-name = "swarm-training-test"
-seed = 11
-[model]
-size = "tiny"
-[data]
-tokenizer = "byte"
-seq_len = 32
-micro_batch = 8
-[optimizer]
-lr = 3e-3
-warmup_steps = 10
-decay_steps = 2000
-[eval]
-batches = 4
-[outer]
-topology = "one-peer"
-inner_steps = 20
-adaptive_inner_steps = true
-min_inner_steps = 2
-max_inner_steps = 2000
-lr = 0.7
-momentum = 0.9
-"#;
 
 /// ln(256): the loss of a uniform guess over byte tokens (where an untrained model starts).
 const UNIFORM_LOSS: f64 = 5.545;
@@ -70,7 +46,11 @@ fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
-    std::fs::write(&manifest, MANIFEST).unwrap();
+    std::fs::write(
+        &manifest,
+        tiny_run("swarm-training-test", 11, ADAPTIVE_ONE_PEER),
+    )
+    .unwrap();
     let data = prepare_byte_data(dir);
 
     // Rounds of 5 s: 1 s of agreement, exchanges of at most 3 s.

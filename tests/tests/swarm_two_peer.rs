@@ -6,37 +6,25 @@
 
 use gasloc_tests::{
     built_binary, field, http_get, join_command, prepare_byte_data, read_report, start_bootstrap,
-    Proc,
+    tiny_run, Proc,
 };
 use std::process::Command;
 use std::time::Duration;
-
-const MANIFEST: &str = r#"
-name = "swarm-two-peer-test"
-seed = 5
-[model]
-size = "tiny"
-[data]
-tokenizer = "byte"
-seq_len = 32
-micro_batch = 8
-[optimizer]
-lr = 3e-3
-warmup_steps = 10
-decay_steps = 2000
-[eval]
-batches = 4
-[outer]
-topology = "two-peer"
-inner_steps = 25
-"#;
 
 #[test]
 fn four_nodes_on_a_two_peer_ring_learn_and_other_runs_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
-    std::fs::write(&manifest, MANIFEST).unwrap();
+    std::fs::write(
+        &manifest,
+        tiny_run(
+            "swarm-two-peer-test",
+            5,
+            "topology = \"two-peer\"\ninner_steps = 25\n",
+        ),
+    )
+    .unwrap();
     let data = prepare_byte_data(dir);
     let (_bootstrap, boot) = start_bootstrap(dir, &manifest, 6000, 3500, 500, 1500);
     let home = |i: usize| dir.join(format!("node{i}"));

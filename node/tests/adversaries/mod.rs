@@ -22,25 +22,13 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 
 /// DiLoCo (the complete topology): every node meets every other every round.
-pub const MANIFEST: &str = r#"
-name = "adversary-test"
-seed = 11
-[model]
-size = "tiny"
-[data]
-tokenizer = "byte"
-seq_len = 32
-micro_batch = 8
-[optimizer]
-lr = 3e-3
-warmup_steps = 10
-decay_steps = 2000
-[eval]
-batches = 4
-[outer]
-algorithm = "diloco"
-inner_steps = 15
-"#;
+pub fn manifest() -> String {
+    gasloc_tests::tiny_run(
+        "adversary-test",
+        11,
+        "algorithm = \"diloco\"\ninner_steps = 15\n",
+    )
+}
 
 /// What the adversary poisons.
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -316,9 +304,9 @@ pub struct Swarm {
 }
 
 impl Swarm {
-    /// The swarm of [`MANIFEST`] with one adversary, in rounds of 4 s.
+    /// The swarm of [`manifest`] with one adversary, in rounds of 4 s.
     pub async fn with_adversary(poison: Poison, rounds: u64) -> Swarm {
-        Swarm::start(MANIFEST, &[poison], rounds, [8000, 4000, 500, 2000]).await
+        Swarm::start(&manifest(), &[poison], rounds, [8000, 4000, 500, 2000]).await
     }
 
     /// `timing`: genesis delay, period, commit and reveal windows, exchange timeout (ms).
