@@ -280,7 +280,11 @@ fn a_compose_swarm_trains_through_kills_a_cut_link_a_rolling_restart_and_a_lost_
             ),
             ("GENESIS_DELAY_MS", "8000".into()),
             ("CHECKPOINT_EVERY", "2".into()),
-            ("SUBNET", "172.29.243.0/24".into()),
+            // A subnet of its own (two test runs at once must not overlap).
+            (
+                "SUBNET",
+                format!("172.29.{}.0/24", 100 + std::process::id() % 150),
+            ),
             // Any free host ports, on loopback.
             ("BOOTSTRAP_PORT", String::new()),
             ("NODE_PORTS", String::new()),
