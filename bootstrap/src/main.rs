@@ -7,6 +7,8 @@
 //! manifest and the same `--genesis-unix-ms`. With `--status-addr` it serves its
 //! `/status` document and `/metrics` through `gasloc-status`.
 
+mod schedule_file;
+
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gasloc_p2p::config::{NetworkConfig, Role};
@@ -44,6 +46,10 @@ struct Args {
     /// Start of round 0 (ms since the Unix epoch). Default: now + --genesis-delay-ms.
     #[arg(long)]
     genesis_unix_ms: Option<u64>,
+    /// Keep the round schedule in this file: the first start writes it, every restart serves
+    /// the same rounds (and refuses flags that would change them under a running swarm).
+    #[arg(long)]
+    schedule_file: Option<PathBuf>,
     /// Delay from start to round 0 when --genesis-unix-ms is absent.
     #[arg(long, default_value_t = 5000)]
     genesis_delay_ms: u64,
@@ -146,6 +152,10 @@ async fn main() -> Result<()> {
     timing
         .validate()
         .map_err(|e| anyhow::anyhow!("round timing: {e}"))?;
+    let timing = match &args.schedule_file {
+        Some(path) => schedule_file::keep(path, run_id, timing, args.genesis_unix_ms.is_some())?,
+        None => timing,
+    };
 
     let keypair = match &args.identity {
         Some(path) => gasloc_p2p::identity::load_or_create(path)?,
@@ -178,6 +188,10 @@ async fn main() -> Result<()> {
         .collect();
     println!("run_id={run_id} name={}", manifest.name);
     println!("peer_id={me}");
+    println!(
+        "genesis_unix_ms={} round_period_ms={}",
+        timing.genesis_ms, timing.period_ms
+    );
     for address in &full {
         println!("listening={address}");
     }

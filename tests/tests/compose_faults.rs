@@ -9,7 +9,8 @@
 //! 3. every node is restarted in turn (`docker restart`): every round keeps one plan among the
 //!    nodes that report it;
 //! 4. the bootstrap is killed: rounds go on being agreed, and a newcomer container joins
-//!    through a node's address and exchanges.
+//!    through a node's address and exchanges; started again, the bootstrap serves the same
+//!    round schedule.
 //!
 //! At the end every node's validation loss is below its first.
 //!
@@ -431,6 +432,25 @@ fn a_compose_swarm_trains_through_kills_a_cut_link_a_rolling_restart_and_a_lost_
     assert!(
         newcomer_logs.contains(&format!("run_id={run_id} ")),
         "{newcomer_logs}"
+    );
+    // Started again, the bootstrap serves the schedule the swarm is in (its volume keeps it).
+    docker(&["start", &swarm.bootstrap()]);
+    let genesis = || -> Vec<String> {
+        swarm
+            .logs(&swarm.bootstrap())
+            .lines()
+            .filter_map(|l| gasloc_tests::field(l, "genesis_unix_ms").map(str::to_string))
+            .collect()
+    };
+    swarm.wait_until(
+        "the bootstrap starts again",
+        Duration::from_secs(30),
+        || genesis().len() == 2,
+    );
+    assert_eq!(
+        genesis()[0],
+        genesis()[1],
+        "the restarted bootstrap moved the rounds"
     );
 
     // The end: every node leaves cleanly (SIGTERM), then the records are read.
