@@ -453,9 +453,18 @@ fn a_compose_swarm_trains_through_kills_a_cut_link_a_rolling_restart_and_a_lost_
         "the restarted bootstrap moved the rounds"
     );
 
-    // The end: every node leaves cleanly (SIGTERM), then the records are read.
+    // The end: every node leaves cleanly (SIGTERM: it finishes its round, checkpoints and
+    // exits 0), then the records are read.
     swarm.compose_ok(&["stop", "-t", "30"]);
     docker(&["stop", "-t", "30", newcomer]);
+    for node in nodes.iter().chain(std::iter::once(newcomer)) {
+        let exit = docker(&["inspect", "-f", "{{.State.ExitCode}}", node]);
+        let logs = swarm.logs(node);
+        assert!(
+            exit == "0" && logs.contains("left rounds="),
+            "{node} did not leave cleanly (exit code {exit}):\n{logs}"
+        );
+    }
     let mut reports: Vec<(String, Vec<Value>)> =
         nodes.iter().map(|n| (n.clone(), swarm.report(n))).collect();
     reports.push((newcomer.clone(), swarm.report(newcomer)));
@@ -500,5 +509,50 @@ fn a_compose_swarm_trains_through_kills_a_cut_link_a_rolling_restart_and_a_lost_
         "compose_faults: {agreed} rounds agreed ({after_bootstrap} after the bootstrap died), \
          {:.0} s in all",
         started.elapsed().as_secs_f64()
+    );
+}
+
+/// `deploy/compose.sh` names what is missing before docker-compose would pull an image or
+/// mount an empty directory: the data, the manifest, the image.
+#[test]
+fn the_compose_wrapper_names_a_missing_data_directory_manifest_or_image() {
+    if !docker_available() {
+        eprintln!("compose_faults: no Docker engine or docker-compose answers; not run");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let manifest = dir.join("run.toml");
+    std::fs::write(&manifest, tiny_run("wrapper-test", 1, ADAPTIVE_ONE_PEER)).unwrap();
+    let data = prepare_byte_data(dir);
+    let wrapper = repo().join("deploy/compose.sh");
+    let refusal = |env: &[(&str, &Path)], image: &str| -> String {
+        let mut command = bounded("bash", &[wrapper.to_str().unwrap()]);
+        command
+            .args(["-p", "gaslocwrappertest", "up", "-d"])
+            .env("GASLOC_IMAGE", image)
+            .env("RUN_MANIFEST", &manifest)
+            .env("RUN_DATA", &data)
+            .envs(env.iter().map(|(k, v)| (k, v)));
+        let out = output(command);
+        assert!(!out.status.success(), "compose.sh up went ahead");
+        String::from_utf8_lossy(&out.stderr).to_string()
+    };
+    let nowhere = dir.join("nowhere");
+    let said = refusal(&[("RUN_DATA", &nowhere)], "gasloc-test:latest");
+    assert!(
+        said.contains(&format!("no data directory {}", nowhere.display())),
+        "{said}"
+    );
+    let empty = dir.join("empty");
+    std::fs::create_dir_all(&empty).unwrap();
+    let said = refusal(&[("RUN_DATA", &empty)], "gasloc-test:latest");
+    assert!(said.contains("no validation shard"), "{said}");
+    let said = refusal(&[("RUN_MANIFEST", &nowhere)], "gasloc-test:latest");
+    assert!(said.contains("no run manifest at"), "{said}");
+    let said = refusal(&[], "gasloc-never-built:latest");
+    assert!(
+        said.contains("no image gasloc-never-built:latest on this machine: run `make image`"),
+        "{said}"
     );
 }
