@@ -248,12 +248,42 @@ fn assert_agreed(reports: &[(String, Vec<Value>)], from: u64, to: u64) -> usize 
     checked
 }
 
+/// Takes down what an earlier run of this test left behind when it was killed before its
+/// `Drop` ran: projects `gaslocfaults<pid>` whose process is gone.
+fn remove_abandoned_projects() {
+    let names = docker(&[
+        "ps",
+        "-a",
+        "--filter",
+        "name=gaslocfaults",
+        "--format",
+        "{{.Names}}",
+    ]);
+    let mut projects: Vec<&str> = names.lines().filter_map(|n| n.split('_').next()).collect();
+    projects.sort();
+    projects.dedup();
+    for project in projects {
+        let pid = project.trim_start_matches("gaslocfaults");
+        if Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        eprintln!("compose_faults: removing {project}, left by a run that was killed");
+        drop(Swarm {
+            project: project.to_string(),
+            dir: std::env::temp_dir(),
+            env: Vec::new(),
+            extra_containers: vec![format!("{project}_newcomer")],
+        });
+    }
+}
+
 #[test]
 fn a_compose_swarm_trains_through_kills_a_cut_link_a_rolling_restart_and_a_lost_bootstrap() {
     if !docker_available() {
         eprintln!("compose_faults: no Docker engine or docker-compose answers; not run");
         return;
     }
+    remove_abandoned_projects();
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
