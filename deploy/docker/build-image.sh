@@ -52,19 +52,17 @@ done
 # Every library the binaries load, as the dynamic loader resolves them here, except CUDA's.
 is_cuda() {
   case "$1" in
-    */nvidia/* | *libtorch_cuda* | *libc10_cuda* | *libcaffe2_nvrtc* | *libtorch_nvshmem*) return 0 ;;
     */libcudart.so* | */libcupti.so*) return 1 ;; # linked by libtorch_cpu.so itself
+    */nvidia/* | *libtorch_cuda* | *libc10_cuda* | *libcaffe2_nvrtc* | *libtorch_nvshmem*) return 0 ;;
     *) return 1 ;;
   esac
 }
 libs=$(ldd "$bin/gasloc-node" "$bin/gasloc-bootstrap" | awk '$2 == "=>" && $3 ~ /^\// {print $3} $1 ~ /^\// && $1 !~ /:$/ {print $1}' | sort -u)
 for path in $libs; do
-  if [[ $path == */nvidia/* ]] && [[ $path == */libcudart.so* || $path == */libcupti.so* ]]; then
-    cp -L "$path" "$lib/"
-  elif is_cuda "$path"; then
+  if is_cuda "$path"; then
     continue
   elif [[ $path == "$repo"/* || $path == */site-packages/* ]]; then
-    cp -L "$path" "$lib/" # libtorch and its companions (libc10, libgomp, …)
+    cp -L "$path" "$lib/" # libtorch and its companions (libc10, libgomp, libcudart, …)
   else
     mkdir -p "$root$(dirname "$path")"
     cp -L "$path" "$root$path" # the C and C++ runtime, where the loader looks for it

@@ -4,35 +4,27 @@
 //! trapped: a Ctrl-C sent to the whole process group reaches the nodes (they leave) but not
 //! the script's trap. The script must notice that every node has left and return.
 
-use gasloc_tests::{built_binary, prepare_byte_data};
+use gasloc_tests::{built_binary, prepare_byte_data, tiny_run};
 use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const MANIFEST: &str = r#"
-name = "local-swarm-script-test"
-seed = 3
-[model]
-size = "tiny"
-[data]
-tokenizer = "byte"
-seq_len = 32
-micro_batch = 4
-[optimizer]
-decay_steps = 100
-[outer]
-topology = "one-peer"
-inner_steps = 5
-"#;
-
 #[test]
 fn the_local_swarm_returns_after_a_group_sigint_that_its_trap_cannot_catch() {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
-    std::fs::write(&manifest, MANIFEST).unwrap();
+    std::fs::write(
+        &manifest,
+        tiny_run(
+            "local-swarm-script-test",
+            3,
+            "topology = \"one-peer\"\ninner_steps = 5\n",
+        ),
+    )
+    .unwrap();
     let data = prepare_byte_data(dir);
     let bin = built_binary("gasloc-node").parent().unwrap().to_path_buf();
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
