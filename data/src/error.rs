@@ -10,6 +10,10 @@ pub enum DataError {
     #[error("shard {}: {problem}", path.display())]
     BadShard { path: PathBuf, problem: String },
 
+    /// A shard that does not match the run's pinned shard table (`[[data.shards]]`).
+    #[error("shard {}: {problem}", path.display())]
+    NotPinned { path: PathBuf, problem: String },
+
     /// A shard could not be opened, read or written.
     #[error("shard {}: {source}", path.display())]
     ShardIo {

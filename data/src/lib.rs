@@ -1,10 +1,11 @@
 //! Token data for gasloc, with no libtorch: reading llm.c token shards ([`shards`]),
 //! cutting them into seeded, per-worker disjoint batch streams ([`stream`]), turning text
 //! into tokens and back ([`tokenizer`]), and `data prepare`, which writes shards from
-//! text files ([`prepare`]). Every failure is a [`DataError`] whose message names the
+//! text files ([`prepare`]), and the pinned shard table of a run's manifest ([`pin`]). Every failure is a [`DataError`] whose message names the
 //! file or setting at fault; nothing here panics on bad input.
 
 pub mod error;
+pub mod pin;
 pub mod prepare;
 pub mod shards;
 pub mod stream;

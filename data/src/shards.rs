@@ -337,7 +337,7 @@ fn write_shard_file(
 
 /// Whether a shard file name marks it as validation data.
 fn is_validation_shard(name: &str) -> bool {
-    name.contains("_val_")
+    gasloc_proto::Split::of_file_name(name) == gasloc_proto::Split::Val
 }
 
 /// Every shard of a data directory, split into training and validation.

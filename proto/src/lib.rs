@@ -16,5 +16,5 @@ pub mod run_id;
 pub mod topology;
 pub mod wire;
 
-pub use manifest::{RunManifest, Tokenizer};
+pub use manifest::{RunManifest, ShardEntry, Split, Tokenizer};
 pub use run_id::{RunId, RunIdError};

@@ -161,7 +161,71 @@ pub struct DataConfig {
     /// Micro-batches accumulated into one optimizer step.
     #[serde(default = "one")]
     pub grad_accum: usize,
+    /// Plain HTTP(S) mirrors of the shards: `<mirror>/<shard name>` serves each shard,
+    /// with range requests. Optional; the swarm serves the shards too.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mirrors: Vec<String>,
+    /// The run's shards, pinned: a node trains only on files that match this table byte
+    /// for byte (`gasloc-node data pin` writes it). Empty: the data is not pinned (each
+    /// node brings its own `--data`, unchecked). Left out of the canonical bytes when
+    /// empty, so the run ids of unpinned runs do not depend on it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub shards: Vec<ShardEntry>,
 }
+
+/// Which split a shard belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Split {
+    Train,
+    Val,
+}
+
+impl Split {
+    pub fn name(self) -> &'static str {
+        match self {
+            Split::Train => "train",
+            Split::Val => "val",
+        }
+    }
+
+    /// The split a shard's file name puts it in (the data loader's rule: `*_val_*.bin`
+    /// is validation data).
+    pub fn of_file_name(name: &str) -> Split {
+        if name.contains("_val_") {
+            Split::Val
+        } else {
+            Split::Train
+        }
+    }
+}
+
+/// One pinned shard of a run's data: `[[data.shards]]`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ShardEntry {
+    /// The file name (no directory), ending in `.bin`.
+    pub name: String,
+    pub split: Split,
+    /// The file's length in bytes, header included.
+    pub bytes: u64,
+    /// Tokens after the header.
+    pub tokens: u64,
+    /// SHA-256 of the whole file, 64 lowercase hex digits.
+    pub sha256: String,
+}
+
+impl ShardEntry {
+    /// The digest as bytes (validated when the manifest was parsed).
+    pub fn digest(&self) -> [u8; 32] {
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(&self.sha256, &mut out).expect("validated when parsed");
+        out
+    }
+}
+
+/// The largest shard a manifest may pin (1 TiB): bounds every size derived from the table.
+pub const MAX_SHARD_BYTES: u64 = 1 << 40;
 
 impl DataConfig {
     /// Tokens consumed by one optimizer step.
@@ -723,7 +787,95 @@ impl RunManifest {
         }
         self.validate_outer()?;
         self.validate_gate()?;
-        self.validate_access()
+        self.validate_access()?;
+        self.validate_shards()
+    }
+
+    /// The shard table: safe, unique file names whose split matches the loader's naming
+    /// rule, sizes within bounds, hex digests, both splits present; mirrors are http(s).
+    fn validate_shards(&self) -> Result<(), (&'static str, String)> {
+        let d = &self.data;
+        for mirror in &d.mirrors {
+            let rest = mirror
+                .strip_prefix("http://")
+                .or_else(|| mirror.strip_prefix("https://"));
+            if rest.is_none_or(|r| r.is_empty() || r.contains(char::is_whitespace)) {
+                return Err((
+                    "data.mirrors",
+                    format!("{mirror:?} is not an http:// or https:// address"),
+                ));
+            }
+        }
+        if d.shards.is_empty() {
+            return Ok(());
+        }
+        let mut seen = std::collections::HashSet::new();
+        for shard in &d.shards {
+            let name = &shard.name;
+            let safe = |c: char| c.is_ascii_alphanumeric() || "._-".contains(c);
+            if name.len() > 200
+                || !name.ends_with(".bin")
+                || name.starts_with('.')
+                || !name.chars().all(safe)
+            {
+                return Err((
+                    "data.shards",
+                    format!(
+                        "name {name:?} is not a shard file name (letters, digits, . _ -; \
+                         ending in .bin; at most 200 characters)"
+                    ),
+                ));
+            }
+            if !seen.insert(name) {
+                return Err(("data.shards", format!("{name} is listed twice")));
+            }
+            if shard.split != Split::of_file_name(name) {
+                return Err((
+                    "data.shards",
+                    format!(
+                        "{name} is marked {} but its name puts it in the other split \
+                         (validation shards are named *_val_*.bin)",
+                        shard.split.name()
+                    ),
+                ));
+            }
+            if shard.bytes > MAX_SHARD_BYTES || shard.tokens == 0 || shard.bytes <= shard.tokens {
+                return Err((
+                    "data.shards",
+                    format!(
+                        "{name}: {} bytes for {} tokens is not a possible shard \
+                         (at least one token, at most {MAX_SHARD_BYTES} bytes)",
+                        shard.bytes, shard.tokens
+                    ),
+                ));
+            }
+            let hex_digest = shard.sha256.len() == 64
+                && shard
+                    .sha256
+                    .chars()
+                    .all(|c| c.is_ascii_digit() || ('a'..='f').contains(&c));
+            if !hex_digest {
+                return Err((
+                    "data.shards",
+                    format!(
+                        "{name}: sha256 {:?} is not 64 lowercase hex digits",
+                        shard.sha256
+                    ),
+                ));
+            }
+        }
+        for split in [Split::Train, Split::Val] {
+            if !d.shards.iter().any(|s| s.split == split) {
+                return Err((
+                    "data.shards",
+                    format!(
+                        "pins no {} shard (a pinned run needs both splits)",
+                        split.name()
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     fn validate_access(&self) -> Result<(), (&'static str, String)> {
@@ -1073,5 +1225,129 @@ decay_steps = 100
         assert!(gate("max_state_disagreement = nan").contains("gate.max_state_disagreement"));
         assert!(gate("ban_window_rounds = 0").contains("gate.ban_window_rounds"));
         assert!(gate("max_ratio = 3.0").contains("max_ratio"));
+    }
+}
+
+#[cfg(test)]
+mod shard_table_tests {
+    use super::*;
+
+    const BASE: &str = r#"
+name = "t"
+seed = 1
+[model]
+size = "tiny"
+[data]
+tokenizer = "byte"
+seq_len = 64
+micro_batch = 4
+[optimizer]
+decay_steps = 100
+"#;
+
+    fn with_table(table: &str) -> String {
+        // The table goes under [data]: insert it before [optimizer].
+        BASE.replace("[optimizer]", &format!("{table}\n[optimizer]"))
+    }
+
+    const DIGEST: &str = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+
+    fn two_shards() -> String {
+        format!(
+            r#"
+[[data.shards]]
+name = "d_train_000000.bin"
+split = "train"
+bytes = 3024
+tokens = 1000
+sha256 = "{DIGEST}"
+[[data.shards]]
+name = "d_val_000000.bin"
+split = "val"
+bytes = 1224
+tokens = 100
+sha256 = "{DIGEST}"
+"#
+        )
+    }
+
+    #[test]
+    fn a_pinned_table_round_trips_and_changes_the_run_id() {
+        let open = RunManifest::parse(BASE, "t").unwrap();
+        let pinned = RunManifest::parse(&with_table(&two_shards()), "t").unwrap();
+        assert_eq!(pinned.data.shards.len(), 2);
+        assert_eq!(pinned.data.shards[1].split, Split::Val);
+        assert_eq!(pinned.data.shards[0].digest()[1], 0x11);
+        assert_ne!(open.run_id(), pinned.run_id());
+        // An unpinned manifest writes no table: its run id is what it was before tables.
+        assert!(!String::from_utf8(open.canonical_bytes())
+            .unwrap()
+            .contains("shards"));
+        let canonical = String::from_utf8(pinned.canonical_bytes()).unwrap();
+        let again = RunManifest::parse(&canonical, "canonical").unwrap();
+        assert_eq!(again, pinned);
+        assert_eq!(again.run_id(), pinned.run_id());
+    }
+
+    fn refusal(table: &str) -> String {
+        RunManifest::parse(&with_table(table), "t")
+            .unwrap_err()
+            .to_string()
+    }
+
+    #[test]
+    fn a_table_with_a_bad_entry_is_refused_naming_it() {
+        let good = two_shards();
+        let cases = [
+            (
+                good.replace("d_train_000000.bin", "../x_train.bin"),
+                "../x_train.bin",
+            ),
+            (
+                good.replace("d_train_000000.bin", "d_train.txt"),
+                "d_train.txt",
+            ),
+            (
+                good.replace("d_val_000000.bin", "d_train_000000.bin"),
+                "listed twice",
+            ),
+            (
+                good.replace("split = \"val\"", "split = \"train\""),
+                "other split",
+            ),
+            (
+                good.replace("bytes = 3024", "bytes = 10"),
+                "not a possible shard",
+            ),
+            (good.replacen(DIGEST, "ABC", 1), "64 lowercase hex"),
+            (
+                format!("mirrors = [\"ftp://x\"]\n{good}"),
+                "not an http:// or https://",
+            ),
+        ];
+        for (table, expected) in cases {
+            let e = refusal(&table);
+            assert!(e.contains(expected), "{expected:?} not in {e}");
+        }
+        let only_train = two_shards()
+            .split("[[data.shards]]")
+            .nth(1)
+            .unwrap()
+            .to_string();
+        let e = refusal(&format!("[[data.shards]]{only_train}"));
+        assert!(e.contains("pins no val shard"), "{e}");
+    }
+
+    #[test]
+    fn mirrors_are_kept() {
+        let m = RunManifest::parse(
+            &with_table(&format!(
+                "mirrors = [\"http://127.0.0.1:9/d\"]\n{}",
+                two_shards()
+            )),
+            "t",
+        )
+        .unwrap();
+        assert_eq!(m.data.mirrors, ["http://127.0.0.1:9/d"]);
     }
 }
