@@ -6,12 +6,12 @@
 //! the whole file. Hashing reads every byte (about 1 GB/s per core): callers run these
 //! functions on a blocking thread, never on the async runtime's.
 
-use crate::shards::{read_shard, HEADER_BYTES};
+use crate::shards::{read_shard, shard_files, HEADER_BYTES};
 use crate::{DataError, TokenWidth};
 use gasloc_proto::{ShardEntry, Split, Tokenizer};
 use sha2::{Digest, Sha256};
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// The SHA-256 of a file's bytes.
 pub fn file_sha256(path: &Path) -> Result<[u8; 32], DataError> {
@@ -32,21 +32,13 @@ pub fn file_sha256(path: &Path) -> Result<[u8; 32], DataError> {
     Ok(hasher.finalize().into())
 }
 
-/// The `*.bin` files of a directory (not its subdirectories), in file-name order.
-fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
-    let listing_error = |source| DataError::Directory {
-        dir: dir.to_path_buf(),
-        source,
-    };
-    let mut paths = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(listing_error)? {
-        let path = entry.map_err(listing_error)?.path();
-        if path.extension().is_some_and(|e| e == "bin") && path.is_file() {
-            paths.push(path);
-        }
-    }
-    paths.sort();
-    Ok(paths)
+fn file_len(path: &Path) -> Result<u64, DataError> {
+    std::fs::metadata(path)
+        .map(|m| m.len())
+        .map_err(|source| DataError::ShardIo {
+            path: path.to_path_buf(),
+            source,
+        })
 }
 
 /// The table entry of one shard: opens and checks it completely (header, size, every token
@@ -57,12 +49,7 @@ pub fn pin_shard(path: &Path, tokenizer: Tokenizer) -> Result<ShardEntry, DataEr
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let bytes = std::fs::metadata(path)
-        .map_err(|source| DataError::ShardIo {
-            path: path.to_path_buf(),
-            source,
-        })?
-        .len();
+    let bytes = file_len(path)?;
     Ok(ShardEntry {
         split: Split::of_file_name(&name),
         name,
@@ -104,12 +91,7 @@ pub fn verify_shard_file(path: &Path, entry: &ShardEntry) -> Result<(), DataErro
         path: path.to_path_buf(),
         problem,
     };
-    let bytes = std::fs::metadata(path)
-        .map_err(|source| DataError::ShardIo {
-            path: path.to_path_buf(),
-            source,
-        })?
-        .len();
+    let bytes = file_len(path)?;
     if bytes != entry.bytes {
         return Err(bad(format!(
             "is {bytes} bytes long, the manifest pins {} bytes",

@@ -340,6 +340,23 @@ fn is_validation_shard(name: &str) -> bool {
     gasloc_proto::Split::of_file_name(name) == gasloc_proto::Split::Val
 }
 
+/// The `*.bin` files of a directory (not its subdirectories), in file-name order.
+pub(crate) fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
+    let listing_error = |source| DataError::Directory {
+        dir: dir.to_path_buf(),
+        source,
+    };
+    let mut paths = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(listing_error)? {
+        let path = entry.map_err(listing_error)?.path();
+        if path.extension().is_some_and(|e| e == "bin") && path.is_file() {
+            paths.push(path);
+        }
+    }
+    paths.sort();
+    Ok(paths)
+}
+
 /// Every shard of a data directory, split into training and validation.
 #[derive(Debug)]
 pub struct TokenDataset {
@@ -355,18 +372,7 @@ impl TokenDataset {
     /// file size matches it, and that every token is `< vocab_size`. At least one training
     /// shard is required; validation shards are optional here.
     pub fn open(dir: &Path, vocab_size: usize) -> Result<Self, DataError> {
-        let listing_error = |source| DataError::Directory {
-            dir: dir.to_path_buf(),
-            source,
-        };
-        let mut paths = Vec::new();
-        for entry in std::fs::read_dir(dir).map_err(listing_error)? {
-            let path = entry.map_err(listing_error)?.path();
-            if path.extension().is_some_and(|e| e == "bin") && path.is_file() {
-                paths.push(path);
-            }
-        }
-        paths.sort();
+        let paths = shard_files(dir)?;
 
         let (mut train, mut val) = (Vec::new(), Vec::new());
         for path in paths {

@@ -1030,7 +1030,7 @@ fn resolve_model(
 mod tests {
     use super::*;
 
-    const TINY: &str = r#"
+    pub(super) const TINY: &str = r#"
 name = "t"
 seed = 1
 [model]
@@ -1232,18 +1232,7 @@ decay_steps = 100
 mod shard_table_tests {
     use super::*;
 
-    const BASE: &str = r#"
-name = "t"
-seed = 1
-[model]
-size = "tiny"
-[data]
-tokenizer = "byte"
-seq_len = 64
-micro_batch = 4
-[optimizer]
-decay_steps = 100
-"#;
+    const BASE: &str = super::tests::TINY;
 
     fn with_table(table: &str) -> String {
         // The table goes under [data]: insert it before [optimizer].
