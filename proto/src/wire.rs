@@ -212,6 +212,33 @@ pub struct ManifestResponse {
     pub error: String,
 }
 
+/// Request of `/gasloc/shard/1`: one byte range of one pinned shard, or (empty `name`) the
+/// names of the shards the peer serves.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ShardRequest {
+    #[prost(bytes = "vec", tag = "1")]
+    pub run_id: Vec<u8>,
+    #[prost(string, tag = "2")]
+    pub name: String,
+    #[prost(uint64, tag = "3")]
+    pub offset: u64,
+    #[prost(uint64, tag = "4")]
+    pub length: u64,
+}
+
+/// Response header of `/gasloc/shard/1`; exactly `length` raw shard bytes follow it.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ShardResponse {
+    /// Non-empty: the request was refused (`<reason>: <detail>`), no bytes follow.
+    #[prost(string, tag = "1")]
+    pub error: String,
+    /// The answer to a list request.
+    #[prost(string, repeated, tag = "2")]
+    pub names: Vec<String>,
+    #[prost(uint64, tag = "3")]
+    pub length: u64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -255,6 +282,27 @@ mod tests {
         assert_eq!(
             timing.encode_to_vec(),
             [0x08, 1, 0x10, 2, 0x18, 3, 0x20, 4, 0x28, 5, 0x30, 3]
+        );
+        let request = ShardRequest {
+            run_id: vec![0xAA],
+            name: "a".into(),
+            offset: 5,
+            length: 300,
+        };
+        // 1:len(1) AA | 2:"a" | 3:varint 5 | 4:varint 300 (AC 02)
+        assert_eq!(
+            request.encode_to_vec(),
+            [0x0A, 1, 0xAA, 0x12, 1, b'a', 0x18, 5, 0x20, 0xAC, 0x02]
+        );
+        let response = ShardResponse {
+            error: "e".into(),
+            names: vec!["x".into(), "y".into()],
+            length: 2,
+        };
+        // 1:"e" | 2:"x" | 2:"y" | 3:varint 2
+        assert_eq!(
+            response.encode_to_vec(),
+            [0x0A, 1, b'e', 0x12, 1, b'x', 0x12, 1, b'y', 0x18, 2]
         );
     }
 
