@@ -6,8 +6,8 @@
 //! - [`frames`], [`exchange`], [`exchange_service`]: tensor exchange on `/gasloc/exchange/2`
 //!   and state sync on `/gasloc/state/1`.
 //! - [`manifest_service`]: the manifest request-response protocol.
-//! - [`shard_service`]: the run's pinned token shards on `/gasloc/shard/1`, served from a
-//!   catalog of verified files.
+//! - [`shard_service`], [`shard_fetch`]: the run's pinned token shards on `/gasloc/shard/1`
+//!   (served from a catalog of verified files) and fetched from peers and HTTP mirrors.
 //! - [`identity`]: the persisted node key.
 //! - [`upload_limit`]: the node's upload cap (`--max-upload-rate`).
 //! - [`round_machine`], [`links`]: a node's round lifecycle and its link estimates (sans-IO).
@@ -37,6 +37,7 @@ pub mod peer_standing;
 pub mod permutation;
 pub mod round_machine;
 pub mod schedule;
+pub mod shard_fetch;
 pub mod shard_service;
 pub mod swarm;
 pub mod swarm_node;
