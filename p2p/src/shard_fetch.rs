@@ -189,6 +189,11 @@ pub struct FetchReport {
 const MAX_DOWNLOADS_PER_SHARD: usize = 32;
 /// A forced re-listing of the peers happens at most this often.
 const RELIST_INTERVAL: Duration = Duration::from_secs(1);
+/// Downloads of one fetch served by one peer at once: the shard service's default
+/// per-peer stream limit, so the fetch does not make a peer answer busy.
+const MAX_DOWNLOADS_PER_PEER: usize = 2;
+/// List requests in flight at once.
+const LISTS_AT_ONCE: usize = 16;
 
 /// Fetches pinned shards from peers (over the swarm behind `control`) and mirrors.
 pub struct ShardFetcher {
@@ -230,6 +235,15 @@ impl Drop for SourceInUse<'_> {
             *n = n.saturating_sub(1);
         }
     }
+}
+
+/// What [`ShardFetcher::pick_source`] found for a shard.
+enum Pick<'r> {
+    Source(SourceInUse<'r>),
+    /// Sources hold the shard, but each serves this fetch its most downloads already.
+    AllOccupied,
+    /// No source that is neither dropped nor cooling down holds it.
+    Nothing,
 }
 
 /// How a download from one source ended, when it did not give a verified shard.
@@ -310,6 +324,14 @@ impl ShardFetcher {
         if let Some(bad) = entries.iter().find(|e| !is_shard_file_name(&e.name)) {
             return Err(FetchError::UnsafeName(bad.name.clone()));
         }
+        let mut names = HashSet::new();
+        if let Some(twice) = entries.iter().find(|e| !names.insert(&e.name)) {
+            // Two downloads would write one `.part`.
+            return Err(FetchError::Config(format!(
+                "{} is listed twice",
+                twice.name
+            )));
+        }
         let owned_dir = dir.to_path_buf();
         blocking(move || std::fs::create_dir_all(&owned_dir).map_err(io_error(&owned_dir))).await?;
         let c = &progress.counters;
@@ -385,16 +407,24 @@ impl ShardFetcher {
         loop {
             let order = (run.peers)();
             self.list_new_peers(run, &order).await;
-            let out_of_patience =
-                hopeful_since.elapsed() >= cfg.patience || downloads >= MAX_DOWNLOADS_PER_SHARD;
-            let picked = self.pick_source(run, entry, &order, &dropped, &cooling);
-            let Some(slot) = picked.filter(|_| !out_of_patience) else {
-                if out_of_patience {
-                    return Err(no_source(entry, cfg.patience, &dropped, &cooling));
+            let slot = match self.pick_source(run, entry, &order, &dropped, &cooling) {
+                Pick::Source(slot) if downloads < MAX_DOWNLOADS_PER_SHARD => slot,
+                Pick::Source(_) => return Err(no_source(entry, cfg.patience, &dropped, &cooling)),
+                Pick::AllOccupied => {
+                    // Its sources are busy with this fetch's other shards: not a lack of
+                    // sources, so the patience does not run.
+                    hopeful_since = Instant::now();
+                    tokio::time::sleep(cfg.retry_delay).await;
+                    continue;
                 }
-                tokio::time::sleep(cfg.retry_delay).await;
-                self.relist_peers(run).await;
-                continue;
+                Pick::Nothing => {
+                    if hopeful_since.elapsed() >= cfg.patience {
+                        return Err(no_source(entry, cfg.patience, &dropped, &cooling));
+                    }
+                    tokio::time::sleep(cfg.retry_delay).await;
+                    self.relist_peers(run).await;
+                    continue;
+                }
             };
             downloads += 1;
             let source = slot.source.clone();
@@ -524,25 +554,39 @@ impl ShardFetcher {
         }
     }
 
+    /// Asks `peers` (a few at a time) which shards they hold. A peer that does not answer
+    /// keeps what it said before (nothing, if it never answered).
     async fn list(&self, run: &FetchRun<'_>, peers: Vec<PeerId>) {
         let cfg = &self.config;
-        let asks = peers.into_iter().map(|peer| async move {
-            let listed = list_shards(&self.control, peer, cfg.run_id, cfg.request_timeout).await;
-            (peer, listed)
-        });
-        let answers = futures::future::join_all(asks).await;
+        let asks: Vec<BoxFuture<'_, _>> = peers
+            .into_iter()
+            .map(|peer| {
+                list_shards(&self.control, peer, cfg.run_id, cfg.request_timeout)
+                    .map(move |listed| (peer, listed))
+                    .boxed()
+            })
+            .collect();
+        let answers: Vec<_> = futures::stream::iter(asks)
+            .buffer_unordered(LISTS_AT_ONCE)
+            .collect()
+            .await;
         let mut book = run.book.lock().expect("source book lock");
         for (peer, listed) in answers {
-            let names = listed.unwrap_or_else(|e| {
-                tracing::debug!(%peer, error = %e, "listing a peer's shards failed");
-                Vec::new()
-            });
-            book.holders.insert(peer, names.into_iter().collect());
+            match listed {
+                Ok(names) => {
+                    book.holders.insert(peer, names.into_iter().collect());
+                }
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "listing a peer's shards failed");
+                    book.holders.entry(peer).or_default();
+                }
+            }
         }
         book.last_listed = Some(Instant::now());
     }
 
-    /// The least loaded source that holds `entry` and is neither dropped nor cooling down
+    /// The least loaded source that holds `entry`, is neither dropped nor cooling down, and
+    /// if a peer serves fewer than [`MAX_DOWNLOADS_PER_PEER`] of this fetch's downloads
     /// (mirrors first, then peers in `order`, on ties), with a download slot taken on it.
     fn pick_source<'r>(
         &self,
@@ -551,11 +595,11 @@ impl ShardFetcher {
         order: &[PeerId],
         dropped: &[(ShardSource, String)],
         cooling: &HashMap<ShardSource, Instant>,
-    ) -> Option<SourceInUse<'r>> {
+    ) -> Pick<'r> {
         let now = Instant::now();
         let mut book = run.book.lock().expect("source book lock");
         let holders = &book.holders;
-        let candidates = self
+        let candidates: Vec<ShardSource> = self
             .config
             .mirrors
             .iter()
@@ -571,10 +615,24 @@ impl ShardFetcher {
                     .map(|p| ShardSource::Peer(*p)),
             )
             .filter(|s| !dropped.iter().any(|(d, _)| d == s))
-            .filter(|s| cooling.get(s).is_none_or(|until| *until <= now));
-        let chosen = candidates.min_by_key(|s| book.in_use.get(s).copied().unwrap_or(0))?;
+            .filter(|s| cooling.get(s).is_none_or(|until| *until <= now))
+            .collect();
+        if candidates.is_empty() {
+            return Pick::Nothing;
+        }
+        let load = |s: &ShardSource| book.in_use.get(s).copied().unwrap_or(0);
+        let chosen = candidates
+            .into_iter()
+            .filter(|s| match s {
+                ShardSource::Peer(_) => load(s) < MAX_DOWNLOADS_PER_PEER,
+                ShardSource::Mirror(_) => true,
+            })
+            .min_by_key(|s| load(s));
+        let Some(chosen) = chosen else {
+            return Pick::AllOccupied;
+        };
         *book.in_use.entry(chosen.clone()).or_insert(0) += 1;
-        Some(SourceInUse {
+        Pick::Source(SourceInUse {
             book: &run.book,
             source: chosen,
         })

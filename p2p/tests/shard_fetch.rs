@@ -201,6 +201,49 @@ async fn a_corrupting_source_is_dropped_and_the_shard_ends_verified() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_failing_mid_shard_is_dropped_and_another_continues_the_part() {
+    let (source, entries) = source_shards(2);
+    let (servers, client) = swarms(2).await;
+    let (broken, honest) = (&servers[0], &servers[1]);
+    // The broken server's file of the first shard ends after 100 000 bytes: it serves the
+    // first chunk, then refuses the second (its file is shorter than the entry).
+    let victim = &entries[0];
+    let short_dir = tempfile::tempdir().unwrap();
+    let whole = std::fs::read(source.path().join(&victim.name)).unwrap();
+    std::fs::write(short_dir.path().join(&victim.name), &whole[..100_000]).unwrap();
+    let _broken = serve(
+        broken,
+        catalog_of(short_dir.path(), &entries[..1]),
+        serve_config(),
+    );
+    let _honest = serve(honest, catalog_of(source.path(), &entries), serve_config());
+    let target = tempfile::tempdir().unwrap();
+    let peers = vec![broken.client.peer_id(), honest.client.peer_id()];
+    let report = fetch(
+        &client,
+        fetch_config(vec![]),
+        &entries,
+        target.path(),
+        peers,
+        None,
+        FetchProgress::new(),
+    )
+    .await
+    .unwrap();
+    verify_directory(target.path(), &entries).unwrap();
+    assert_eq!(report.bad_sources.len(), 1, "{:?}", report.bad_sources);
+    let bad = &report.bad_sources[0];
+    assert_eq!(bad.source, ShardSource::Peer(broken.client.peer_id()));
+    assert!(bad.reason.contains("unavailable"), "{}", bad.reason);
+    // The first chunk came from the broken server and was kept: nothing fetched twice.
+    assert_eq!(report.shards[0].bytes_fetched, victim.bytes);
+    assert_eq!(
+        report.shards[0].source,
+        Some(ShardSource::Peer(honest.client.peer_id()))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partial_file_is_continued_not_fetched_again() {
     let (source, entries) = source_shards(1);
     let (servers, client) = swarms(1).await;
