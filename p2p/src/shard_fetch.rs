@@ -12,7 +12,8 @@
 //! blocking thread), synced and renamed to `<dir>/<name>`: a file under a shard's final
 //! name is always a whole, verified shard.
 //!
-//! Shards are fetched several at a time, each from the least loaded source that holds it,
+//! Shards are fetched several at a time, each from the least loaded source that holds it
+//! (a peer serves at most two of a fetch's downloads at once, its default stream limit),
 //! so N sources fill a node about N times as fast as one. A source that fails (an error, a
 //! refusal other than `busy`, or bytes that do not hash to the pinned digest) is dropped
 //! for that shard and reported in [`FetchReport::bad_sources`]; the shard then comes from
