@@ -5,6 +5,10 @@
 # (validation loss of each node, bytes moved), and stops everything cleanly on Ctrl-C
 # (each node finishes its round, saves a checkpoint and leaves).
 #
+# When the manifest pins its shards ([[data.shards]], `gasloc-node data pin`), the bootstrap
+# serves <data dir> and the nodes start without --data: they fetch the shards from the swarm.
+# Otherwise every node trains on <data dir> directly.
+#
 # usage: deploy/local-swarm.sh <bin dir> <run.toml> <data dir> [nodes] [rounds]
 #   environment: ROUND_MS (round period, default 12000), SWARM_DIR (default runs/swarm-<time>),
 #   BASE_PORT (status ports BASE_PORT+1…, default 8380), THREADS (libtorch threads per node, 1)
@@ -19,6 +23,13 @@ base_port=${BASE_PORT:-8380}
 threads=${THREADS:-1}
 dir=${SWARM_DIR:-runs/swarm-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$dir"
+if grep -q '^\[\[data\.shards\]\]' "$run"; then
+  serve_data=(--data "$data")
+  node_data=()
+else
+  serve_data=()
+  node_data=(--data "$data")
+fi
 
 pids=()
 stop() {
@@ -46,17 +57,19 @@ trap stop INT TERM HUP
   --listen /ip4/127.0.0.1/tcp/0 --addr-file "$dir/bootstrap.addr" \
   --identity "$dir/bootstrap.key" --genesis-delay-ms 8000 \
   --round-period-ms "$round_ms" --commit-window-ms 1500 --reveal-window-ms 1500 \
-  --exchange-timeout-ms $((round_ms / 3)) >"$dir/bootstrap.log" 2>&1 &
+  --exchange-timeout-ms $((round_ms / 3)) "${serve_data[@]}" >"$dir/bootstrap.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 1 100); do [ -s "$dir/bootstrap.addr" ] && break; sleep 0.1; done
 [ -s "$dir/bootstrap.addr" ] || { echo "the bootstrap did not start: $dir/bootstrap.log" >&2; stop; }
 boot=$(head -n1 "$dir/bootstrap.addr")
 echo "bootstrap: $boot"
+[ ${#serve_data[@]} -gt 0 ] &&
+  echo "data: the bootstrap serves the run's pinned shards; each node fetches them into its home"
 
 for i in $(seq 1 "$nodes"); do
   home="$dir/node$i"
   mkdir -p "$home"
-  "$bin/gasloc-node" join --bootstrap "$boot" --data "$data" --home "$home" \
+  "$bin/gasloc-node" join --bootstrap "$boot" "${node_data[@]}" --home "$home" \
     --listen /ip4/127.0.0.1/udp/0/quic-v1 --listen /ip4/127.0.0.1/tcp/0 \
     --status-addr "127.0.0.1:$((base_port + i))" --threads "$threads" --device cpu \
     --report "$home/rounds.jsonl" ${rounds:+--rounds "$rounds"} \

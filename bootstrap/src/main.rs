@@ -3,7 +3,8 @@
 //! It is a Kademlia server, a gossipsub member of the run's topic (it validates and
 //! forwards control messages), runs identify/ping, a relay server and an AutoNAT server
 //! for volunteers behind NAT, and serves the run manifest with the round timing on
-//! `/gasloc/manifest/1`. Several bootstrap nodes can serve one run: give them the same
+//! `/gasloc/manifest/1`; with `--data` it serves the run's pinned shards on
+//! `/gasloc/shard/1`. Several bootstrap nodes can serve one run: give them the same
 //! manifest and the same `--genesis-unix-ms`. With `--status-addr` it serves its
 //! `/status` document and `/metrics` through `gasloc-status`.
 
@@ -11,16 +12,18 @@ mod schedule_file;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
+use gasloc_data::pin::verify_directory;
 use gasloc_p2p::config::{NetworkConfig, Role};
 use gasloc_p2p::manifest_service::manifest_response;
 use gasloc_p2p::network::{self, unix_ms, NetworkEvent};
 use gasloc_p2p::schedule::Timing;
+use gasloc_p2p::shard_service::{ShardCatalog, ShardServeConfig, ShardService};
 use gasloc_proto::topology::Topology;
 use gasloc_proto::RunManifest;
 use gasloc_status::{BootstrapMetrics, BootstrapStatus, StatusServer};
 use libp2p::Multiaddr;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::watch;
@@ -86,6 +89,42 @@ struct Args {
     /// (port 0 picks one; the address is printed as status=…).
     #[arg(long)]
     status_addr: Option<std::net::SocketAddr>,
+    /// Serve the run's data from this directory on /gasloc/shard/1, so volunteers can join
+    /// without --data. The manifest must pin its shards (`gasloc-node data pin`), and the
+    /// directory must hold exactly those files: it is checked, hash by hash, at start.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// Cap the shard bytes sent to any one peer, per second (500k, 2M).
+    #[arg(long, value_parser = gasloc_p2p::upload_limit::parse_rate)]
+    data_serve_rate: Option<u64>,
+    /// Cap all shard bytes sent, every peer together, per second (500k, 2M).
+    #[arg(long, value_parser = gasloc_p2p::upload_limit::parse_rate)]
+    max_upload_rate: Option<u64>,
+}
+
+/// `--data`: checks the directory against the manifest's pinned shards (on a blocking
+/// thread: it hashes every byte) and returns the catalog of shards to serve.
+async fn data_to_serve(dir: &Path, manifest: &RunManifest) -> Result<ShardCatalog> {
+    let table = manifest.data.shards.clone();
+    if table.is_empty() {
+        bail!(
+            "--data: the manifest pins no shards ([[data.shards]]): pin them first with \
+             gasloc-node data pin --data {} --manifest <run.toml>",
+            dir.display()
+        );
+    }
+    let owned = dir.to_path_buf();
+    let checked = table.clone();
+    tokio::task::spawn_blocking(move || verify_directory(&owned, &checked))
+        .await
+        .context("the data check stopped")?
+        .with_context(|| format!("--data {}", dir.display()))?;
+    let catalog = ShardCatalog::new();
+    for entry in table {
+        let path = dir.join(&entry.name);
+        catalog.insert(entry, path);
+    }
+    Ok(catalog)
 }
 
 /// Keeps the bootstrap's `/status` document current: polls the event loop for its
@@ -188,6 +227,30 @@ async fn main() -> Result<()> {
         .collect();
     println!("run_id={run_id} name={}", manifest.name);
     println!("peer_id={me}");
+    let _shard_service = match &args.data {
+        Some(dir) => {
+            let catalog = data_to_serve(dir, &manifest).await?;
+            let config = ShardServeConfig {
+                per_peer_rate: args.data_serve_rate,
+                upload: args
+                    .max_upload_rate
+                    .map(|r| Arc::new(gasloc_p2p::upload_limit::UploadLimiter::new(r))),
+                ..ShardServeConfig::new(run_id)
+            };
+            println!(
+                "serving_shards={} bytes={} dir={}",
+                catalog.len(),
+                manifest.data.shards.iter().map(|e| e.bytes).sum::<u64>(),
+                dir.display()
+            );
+            Some(ShardService::start(
+                client.stream_control(),
+                catalog,
+                config,
+            )?)
+        }
+        None => None,
+    };
     println!(
         "genesis_unix_ms={} round_period_ms={}",
         timing.genesis_ms, timing.period_ms

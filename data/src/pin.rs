@@ -7,7 +7,8 @@
 //! functions on a blocking thread, never on the async runtime's.
 
 use crate::shards::{read_shard, shard_files, HEADER_BYTES};
-use crate::{DataError, TokenWidth};
+use crate::{DataError, TokenDataset, TokenWidth};
+use gasloc_proto::manifest::DataConfig;
 use gasloc_proto::{ShardEntry, Split, Tokenizer};
 use sha2::{Digest, Sha256};
 use std::io::Read;
@@ -134,6 +135,17 @@ pub fn verify_directory(dir: &Path, table: &[ShardEntry]) -> Result<(), DataErro
         verify_shard_file(&path, entry)?;
     }
     Ok(())
+}
+
+/// A run's data directory, opened for training: when the manifest pins its shards, the
+/// directory is first checked against the table ([`verify_directory`]), so a node never
+/// trains on other data than the run's; then every shard is read and checked
+/// ([`TokenDataset::open`]).
+pub fn open_run_data(dir: &Path, data: &DataConfig) -> Result<TokenDataset, DataError> {
+    if !data.shards.is_empty() {
+        verify_directory(dir, &data.shards)?;
+    }
+    TokenDataset::open(dir, data.tokenizer.vocab_size())
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@
 //! with `--synthetic`, [`SyntheticTrainer`].
 
 use crate::device::{device_name, parse_device};
+use crate::run_data::RunData;
 use crate::volunteer::{Start, Volunteer, VolunteerOptions};
 use anyhow::{bail, Context, Result};
 use gasloc_p2p::config::{NetworkConfig, Role};
@@ -53,9 +54,23 @@ pub struct JoinArgs {
     /// The run id this node expects the bootstrap node to serve (64 hex digits).
     #[arg(long)]
     pub run_id: Option<RunId>,
-    /// Token shards of the run's data (`gasloc-node data prepare`). Needed unless --synthetic.
+    /// Token shards of the run's data (`gasloc-node data prepare`). When the manifest pins
+    /// its shards they must match the table exactly. Without --data, a run that pins its
+    /// shards is fetched from the swarm (and the manifest's mirrors) into <home>/data.
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Do not serve this node's verified shards of the run's data to peers (by default every
+    /// node serves the pinned shards it holds, on /gasloc/shard/1).
+    #[arg(long)]
+    pub no_serve_data: bool,
+    /// Cap the shard bytes this node sends to any one peer, per second (500k, 2M); the
+    /// node's --max-upload-rate caps them too, together with the exchanges.
+    #[arg(long, value_parser = parse_rate)]
+    pub data_serve_rate: Option<u64>,
+    /// Bytes asked for per shard request when fetching (1 KiB to 4 MiB); a fetch cut off
+    /// resumes from the last whole chunk.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub data_chunk_bytes: u64,
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: String,
@@ -169,9 +184,6 @@ impl JoinArgs {
 /// are done or SIGINT / SIGTERM, after which the round in flight finishes, the trainer is
 /// closed (its checkpoint) and the node leaves the swarm.
 pub fn run(args: JoinArgs) -> Result<()> {
-    if !args.synthetic && args.data.is_none() {
-        bail!("join needs --data <dir> with the run's token shards (or --synthetic)");
-    }
     if args.synthetic && (args.tensors == 0 || args.payload_bytes < 4 * args.tensors) {
         bail!("--payload-bytes must give every one of the --tensors at least 4 bytes");
     }
@@ -233,7 +245,15 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
         None => None,
     };
 
-    let (mut work, started_from) = make_trainer(&args, &manifest, me, device).await?;
+    // One upload cap for everything this node sends: exchanges, states and shards.
+    let upload_limit = args
+        .max_upload_rate
+        .map(|r| Arc::new(UploadLimiter::new(r)));
+    let data = RunData::provide(&args, &manifest, &node, upload_limit.clone(), &status).await?;
+    let (mut work, started_from) =
+        make_trainer(&args, &manifest, me, device, data.dir.clone()).await?;
+    // The trainer checked --data against the pinned table before it opened it: serve it.
+    data.serve_given_directory(&args, &manifest);
 
     let node = node.join_run(run_id, timing.clone()).await?;
     node.wait_for_topic_peers(args.min_peers, Duration::from_secs(60))
@@ -293,7 +313,16 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
     if !bans.is_empty() {
         println!("bans_loaded={} file={}", bans.len(), ban_file.display());
     }
-    let standing = PeerStanding::new(&manifest.gate, bans);
+    let mut standing = PeerStanding::new(&manifest.gate, bans);
+    // A peer that served shard bytes that do not hash to the manifest's digest offended.
+    let new_bans: Vec<_> = data
+        .wrong_bytes_peers()
+        .filter_map(|peer| standing.offend(peer, now_round, "bad_shard"))
+        .collect();
+    if !new_bans.is_empty() {
+        BanFile::save(&ban_file, run_id, standing.bans())
+            .with_context(|| format!("cannot save the ban list {}", ban_file.display()))?;
+    }
 
     let stop = CancellationToken::new();
     spawn_signal_handler(stop.clone());
@@ -304,9 +333,7 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
             withhold_reveals: args.withhold_reveals,
             send: SendOptions {
                 zstd_level: args.zstd_level,
-                upload_limit: args
-                    .max_upload_rate
-                    .map(|r| Arc::new(UploadLimiter::new(r))),
+                upload_limit,
                 ..SendOptions::default()
             },
             standing,
@@ -354,6 +381,7 @@ async fn make_trainer(
     manifest: &RunManifest,
     peer: PeerId,
     device: Option<tch::Device>,
+    data: Option<PathBuf>,
 ) -> Result<(Box<dyn RoundWork>, StartedFrom)> {
     let Some(device) = device else {
         let trainer = SyntheticTrainer::new(
@@ -368,7 +396,7 @@ async fn make_trainer(
     let options = VolunteerOptions {
         manifest: manifest.clone(),
         device,
-        data: args.data.clone().context("--data is needed")?,
+        data: data.context("the libtorch trainer needs the run's data")?,
         checkpoints: args.home.join("checkpoints"),
         checkpoint_every: args.checkpoint_every,
         keep_checkpoints: args.keep_checkpoints,

@@ -7,6 +7,8 @@
 //! * [`trainer`]: one model + optimizer + data stream, stepping and evaluating;
 //! * [`checkpoint`]: Hugging Face-compatible checkpoints plus gasloc's training state;
 //! * [`volunteer`]: the trainer behind `gasloc-node join` (rounds on its own thread);
+//! * [`run_data`]: the run's shards on a joining node: `--data`, or fetched from the swarm,
+//!   and served on;
 //! * [`join`]: the `gasloc-node join` process around one swarm node (flags, runtime,
 //!   stdout, report, status server, signals);
 //! * [`device`]: `--device` parsing.
@@ -20,6 +22,7 @@ pub mod device;
 pub mod join;
 pub mod model;
 pub mod optim;
+pub mod run_data;
 pub mod sim;
 pub mod trainer;
 pub mod volunteer;

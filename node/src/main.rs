@@ -5,8 +5,8 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
+use gasloc_data::pin::{open_run_data, pin_directory};
 use gasloc_data::prepare::{prepare, PrepareOptions};
-use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::{validation_batches, WorkerSlot};
 use gasloc_node::checkpoint;
 use gasloc_node::device::{device_name, parse_device};
@@ -172,6 +172,28 @@ struct SimArgs {
 enum DataCommand {
     /// Tokenize text files into llm.c shards.
     Prepare(PrepareArgs),
+    /// Pin a data directory's shards in a run manifest: writes its [[data.shards]] table
+    /// (name, split, bytes, tokens, SHA-256 of every *.bin shard), so every node trains on
+    /// exactly these files and can fetch them from the swarm.
+    Pin(PinArgs),
+}
+
+#[derive(Args)]
+struct PinArgs {
+    /// The directory of shards (`data prepare --out`).
+    #[arg(long)]
+    data: PathBuf,
+    /// The run manifest to pin them in.
+    #[arg(long)]
+    manifest: PathBuf,
+    /// Where to write the pinned manifest (default: over --manifest, through a temporary
+    /// file). Comments and layout of the rest of the file are kept.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// HTTP(S) mirrors that serve the shards as `<mirror>/<shard name>` (replaces
+    /// data.mirrors).
+    #[arg(long)]
+    mirror: Vec<String>,
 }
 
 #[derive(Args)]
@@ -207,6 +229,7 @@ fn main() {
         Command::Eval(args) => eval(args),
         Command::Sim(args) => sim(args),
         Command::Data(DataCommand::Prepare(args)) => data_prepare(args),
+        Command::Data(DataCommand::Pin(args)) => data_pin(args),
         Command::Join(args) => gasloc_node::join::run(*args),
         Command::Status(args) => gasloc_status::client::fetch_status(&args.addr)
             .map(|s| print!("{}", gasloc_status::client::format_status(&s))),
@@ -260,10 +283,7 @@ fn train(args: TrainArgs) -> Result<()> {
     let manifest = RunManifest::load(&args.run)?;
     let device = parse_device(&args.device)?;
     set_threads(args.threads);
-    let data = Arc::new(TokenDataset::open(
-        &args.data,
-        manifest.data.tokenizer.vocab_size(),
-    )?);
+    let data = Arc::new(open_run_data(&args.data, &manifest.data)?);
     let slot = WorkerSlot {
         index: args.worker_index,
         count: args.worker_count,
@@ -367,7 +387,7 @@ fn eval(args: EvalArgs) -> Result<()> {
     let dir = checkpoint::resolve(&args.checkpoint)?;
     let ckpt = checkpoint::load(&dir, given.as_ref())?;
     let m = &ckpt.manifest;
-    let data = TokenDataset::open(&args.data, m.data.tokenizer.vocab_size())?;
+    let data = open_run_data(&args.data, &m.data)?;
     if data.val_tokens() == 0 {
         bail!(
             "{} has no validation shard (*_val_*.bin)",
@@ -398,10 +418,7 @@ fn sim(args: SimArgs) -> Result<()> {
         eval_every: args.eval_every,
     };
     options.validate()?;
-    let data = Arc::new(TokenDataset::open(
-        &args.data,
-        manifest.data.tokenizer.vocab_size(),
-    )?);
+    let data = Arc::new(open_run_data(&args.data, &manifest.data)?);
     let mut simulation = Simulation::new(&manifest, data, options.clone())?;
     println!(
         "run_id={} algorithm={} topology={} workers={} model_params={}",
@@ -439,6 +456,30 @@ fn sim(args: SimArgs) -> Result<()> {
         summary.sim_time_s,
         summary.bytes_per_worker_round,
         args.out.display()
+    );
+    Ok(())
+}
+
+fn data_pin(args: PinArgs) -> Result<()> {
+    let manifest = RunManifest::load(&args.manifest)?;
+    let table = pin_directory(&args.data, manifest.data.tokenizer)?;
+    let text = std::fs::read_to_string(&args.manifest)
+        .with_context(|| format!("cannot read {}", args.manifest.display()))?;
+    let mirrors = (!args.mirror.is_empty()).then_some(args.mirror.as_slice());
+    let origin = args.manifest.display().to_string();
+    let pinned = gasloc_proto::manifest::pin_shards_in_text(&text, &origin, &table, mirrors)?;
+    let out = args.out.as_ref().unwrap_or(&args.manifest);
+    // Parse what is written before writing it: the pinned manifest must load.
+    let checked = RunManifest::parse(&pinned, &out.display().to_string())?;
+    let tmp = out.with_extension("toml.tmp");
+    std::fs::write(&tmp, &pinned).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, out).with_context(|| format!("cannot write {}", out.display()))?;
+    let bytes: u64 = table.iter().map(|s| s.bytes).sum();
+    println!(
+        "pinned {} shards ({bytes} bytes) in {}; run_id={}",
+        table.len(),
+        out.display(),
+        checked.run_id()
     );
     Ok(())
 }

@@ -27,7 +27,6 @@ use crate::algo::outer::{mixed_pseudo_gradient, OuterOptimizer};
 use crate::checkpoint::{self, Checkpoint};
 use crate::trainer::{validation_set, Trainer};
 use anyhow::{anyhow, bail, Context, Result};
-use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::{Batch, WorkerSlot};
 use gasloc_p2p::network::unix_ms;
 use gasloc_p2p::tensors::{Tensor as WireTensor, TensorSet, TensorSpec};
@@ -215,9 +214,9 @@ struct RoundTrainer {
 impl RoundTrainer {
     fn open(options: VolunteerOptions) -> Result<RoundTrainer> {
         let manifest = &options.manifest;
-        let data = Arc::new(TokenDataset::open(
+        let data = Arc::new(gasloc_data::pin::open_run_data(
             &options.data,
-            manifest.data.tokenizer.vocab_size(),
+            &manifest.data,
         )?);
         let slot = WorkerSlot { index: 0, count: 1 };
         let mut start = Start::Fresh;

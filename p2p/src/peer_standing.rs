@@ -4,7 +4,8 @@
 //! end ([`PeerStanding::offend`]) and carries out what comes back (block the peer's
 //! connections, persist the ban, lower its gossipsub score). An offence is a payload or a
 //! state refused for its contents (the payload gate's kinds, a table that does not match,
-//! an oversized payload, a state outvoted at sync) or a reveal withheld after a commit; a
+//! an oversized payload, a state outvoted at sync), a reveal withheld after a commit, or
+//! shard bytes that do not hash to the manifest's digest (`bad_shard`); a
 //! timeout, a busy partner or a disagreement about who is a neighbour is not (an honest
 //! peer on a bad link does those). After `[gate] ban_after_offences` offences within
 //! `[gate] ban_window_rounds` rounds the peer is banned for the rest of the run.
@@ -36,6 +37,7 @@ pub const OFFENCES: &[&str] = &[
     "too_large",
     "state_disagrees",
     "withheld_reveal",
+    "bad_shard",
 ];
 
 /// Whether a refusal of `kind` counts against the peer.

@@ -175,6 +175,9 @@ pub struct BadSource {
     pub source: ShardSource,
     pub shard: String,
     pub reason: String,
+    /// The source's bytes did not hash to the pinned digest (it alone wrote the shard): an
+    /// offence, unlike a source that failed or went away.
+    pub wrong_bytes: bool,
 }
 
 /// What a finished fetch did.
@@ -253,8 +256,11 @@ enum SourceFailure {
     Busy(String),
     /// The peer does not serve the shard (any more).
     NotHeld(String),
-    /// The source failed or sent bytes that do not verify: drop it for this shard.
+    /// The source failed (an error, a refusal, a timeout): drop it for this shard.
     Bad(String),
+    /// The source alone wrote the whole `.part`, and it does not hash to the pinned
+    /// digest: drop it for this shard; a peer has offended.
+    WrongBytes(String),
     /// The complete file did not verify, but bytes from more than one source (or from an
     /// earlier process) were in it: the `.part` is deleted and nobody is blamed.
     MixedMismatch(String),
@@ -468,7 +474,12 @@ impl ShardFetcher {
                 Err(SourceFailure::MixedMismatch(why)) => {
                     tracing::warn!(shard = %entry.name, %why, "shard did not verify; fetching it again from the start");
                 }
-                Err(SourceFailure::Bad(reason)) => {
+                Err(failure @ (SourceFailure::Bad(_) | SourceFailure::WrongBytes(_))) => {
+                    let (reason, wrong_bytes) = match failure {
+                        SourceFailure::WrongBytes(reason) => (reason, true),
+                        SourceFailure::Bad(reason) => (reason, false),
+                        _ => unreachable!("matched above"),
+                    };
                     tracing::warn!(shard = %entry.name, %source, %reason, "dropping a source for this shard");
                     run.bad_sources
                         .lock()
@@ -477,6 +488,7 @@ impl ShardFetcher {
                             source: source.clone(),
                             shard: entry.name.clone(),
                             reason: reason.clone(),
+                            wrong_bytes,
                         });
                     dropped.push((source, reason));
                     hopeful_since = Instant::now();
@@ -694,7 +706,7 @@ impl ShardFetcher {
                 *origin = PartOrigin::default();
                 let reason = format!("the shard it sent {problem}");
                 Err(if single {
-                    SourceFailure::Bad(reason)
+                    SourceFailure::WrongBytes(reason)
                 } else {
                     SourceFailure::MixedMismatch(reason)
                 })

@@ -5,9 +5,6 @@
 mod common;
 mod shard_common;
 
-use axum::extract::{Path as UrlPath, State};
-use axum::http::{header, HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
 use futures::{AsyncWriteExt, StreamExt};
 use gasloc_data::pin::verify_directory;
 use gasloc_p2p::network::Network;
@@ -19,6 +16,7 @@ use gasloc_p2p::shard_service::{
 };
 use gasloc_proto::wire::ShardResponse;
 use gasloc_proto::ShardEntry;
+use gasloc_tests::http_mirror::{HttpMirror, MirrorMode};
 use libp2p::PeerId;
 use shard_common::*;
 use std::path::{Path, PathBuf};
@@ -189,6 +187,7 @@ async fn a_corrupting_source_is_dropped_and_the_shard_ends_verified() {
     assert_eq!(bad.source, ShardSource::Peer(corrupt.client.peer_id()));
     assert_eq!(bad.shard, victim.name);
     assert!(bad.reason.contains("SHA-256"), "{}", bad.reason);
+    assert!(bad.wrong_bytes, "wrong bytes are an offence");
     assert_eq!(
         report.shards[0].source,
         Some(ShardSource::Peer(honest.client.peer_id()))
@@ -235,6 +234,7 @@ async fn a_source_failing_mid_shard_is_dropped_and_another_continues_the_part() 
     let bad = &report.bad_sources[0];
     assert_eq!(bad.source, ShardSource::Peer(broken.client.peer_id()));
     assert!(bad.reason.contains("unavailable"), "{}", bad.reason);
+    assert!(!bad.wrong_bytes, "a failing source is not an offence");
     // The first chunk came from the broken server and was kept: nothing fetched twice.
     assert_eq!(report.shards[0].bytes_fetched, victim.bytes);
     assert_eq!(
@@ -323,73 +323,13 @@ async fn no_source_anywhere_is_a_no_source_error_within_the_patience() {
 
 // ---- HTTP mirrors ---------------------------------------------------------------------
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum MirrorMode {
-    Honest,
-    NotFound,
-    /// One byte flipped in every answer (lengths and ranges right).
-    WrongBytes,
-}
-
-#[derive(Clone)]
-struct Mirror {
-    dir: PathBuf,
-    mode: MirrorMode,
-}
-
-/// `GET /<name>` with `Range: bytes=a-b` support, as a static file server answers.
-async fn mirror_get(
-    State(mirror): State<Mirror>,
-    UrlPath(name): UrlPath<String>,
-    headers: HeaderMap,
-) -> Response {
-    if mirror.mode == MirrorMode::NotFound || name.contains('/') {
-        return StatusCode::NOT_FOUND.into_response();
-    }
-    let Ok(mut bytes) = tokio::fs::read(mirror.dir.join(&name)).await else {
-        return StatusCode::NOT_FOUND.into_response();
-    };
-    let total = bytes.len() as u64;
-    let range = headers
-        .get(header::RANGE)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("bytes="))
-        .and_then(|v| v.split_once('-'))
-        .and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<u64>().ok()?)));
-    let (status, first, last) = match range {
-        Some((a, b)) if a <= b && b < total => (StatusCode::PARTIAL_CONTENT, a, b),
-        Some(_) => return StatusCode::RANGE_NOT_SATISFIABLE.into_response(),
-        None => (StatusCode::OK, 0, total - 1),
-    };
-    let mut body = bytes.split_off(first as usize);
-    body.truncate((last - first + 1) as usize);
-    if mirror.mode == MirrorMode::WrongBytes {
-        body[0] ^= 0x55;
-    }
-    let content_range = format!("bytes {first}-{last}/{total}");
-    (status, [(header::CONTENT_RANGE, content_range)], body).into_response()
-}
-
-/// Serves `dir` over HTTP on 127.0.0.1; returns the base URL.
-async fn start_mirror(dir: &Path, mode: MirrorMode) -> String {
-    let router = axum::Router::new()
-        .route("/{name}", axum::routing::get(mirror_get))
-        .with_state(Mirror {
-            dir: dir.to_path_buf(),
-            mode,
-        });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
-    });
-    format!("http://{address}")
-}
+// The mirror is `gasloc_tests::http_mirror` (std threads on loopback, Range support).
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http_mirror_alone_fills_the_directory() {
     let (source, entries) = source_shards(2);
-    let mirror = start_mirror(source.path(), MirrorMode::Honest).await;
+    let server = HttpMirror::start(source.path().to_path_buf(), MirrorMode::Honest);
+    let mirror = server.url.clone();
     let (_, client) = swarms(0).await;
     let target = tempfile::tempdir().unwrap();
     let catalog = ShardCatalog::new();
@@ -420,7 +360,8 @@ async fn an_http_mirror_alone_fills_the_directory() {
 /// and the mirror is reported bad for each.
 async fn mirror_falls_back_to_a_peer(mode: MirrorMode, reason: &str) {
     let (source, entries) = source_shards(2);
-    let mirror = start_mirror(source.path(), mode).await;
+    let server = HttpMirror::start(source.path().to_path_buf(), mode);
+    let mirror = server.url.clone();
     let (servers, client) = swarms(1).await;
     let _service = serve(
         &servers[0],

@@ -224,6 +224,46 @@ impl ShardEntry {
     }
 }
 
+/// Writes a shard table (and, when given, the mirrors) into manifest text: `[data]`'s
+/// `shards` and `mirrors` are replaced and the rest of the file — comments, order, layout —
+/// is kept as it was. The result still has to pass [`RunManifest::parse`].
+pub fn pin_shards_in_text(
+    text: &str,
+    origin: &str,
+    table: &[ShardEntry],
+    mirrors: Option<&[String]>,
+) -> Result<String, ManifestError> {
+    let parse_error = |message: String| ManifestError::Parse {
+        path: origin.to_string(),
+        message,
+    };
+    let mut doc: toml_edit::DocumentMut = text
+        .parse()
+        .map_err(|e: toml_edit::TomlError| parse_error(e.to_string().trim_end().to_string()))?;
+    let data = doc
+        .get_mut("data")
+        .and_then(|d| d.as_table_mut())
+        .ok_or_else(|| parse_error("has no [data] table".into()))?;
+    if let Some(mirrors) = mirrors {
+        data.insert(
+            "mirrors",
+            toml_edit::value(toml_edit::Array::from_iter(mirrors)),
+        );
+    }
+    let mut shards = toml_edit::ArrayOfTables::new();
+    for entry in table {
+        let mut t = toml_edit::Table::new();
+        t.insert("name", toml_edit::value(&entry.name));
+        t.insert("split", toml_edit::value(entry.split.name()));
+        t.insert("bytes", toml_edit::value(entry.bytes as i64));
+        t.insert("tokens", toml_edit::value(entry.tokens as i64));
+        t.insert("sha256", toml_edit::value(&entry.sha256));
+        shards.push(t);
+    }
+    data.insert("shards", toml_edit::Item::ArrayOfTables(shards));
+    Ok(doc.to_string())
+}
+
 /// The largest shard a manifest may pin (1 TiB): bounds every size derived from the table.
 pub const MAX_SHARD_BYTES: u64 = 1 << 40;
 
@@ -1325,6 +1365,30 @@ sha256 = "{DIGEST}"
             .to_string();
         let e = refusal(&format!("[[data.shards]]{only_train}"));
         assert!(e.contains("pins no val shard"), "{e}");
+    }
+
+    #[test]
+    fn pinning_text_keeps_its_comments_and_replaces_an_old_table() {
+        let text = format!("# my run\n{BASE}");
+        let table: Vec<ShardEntry> = RunManifest::parse(&with_table(&two_shards()), "t")
+            .unwrap()
+            .data
+            .shards;
+        let mirrors = ["https://example.org/d".to_string()];
+        let once = pin_shards_in_text(&text, "t", &table, Some(&mirrors)).unwrap();
+        assert!(once.starts_with("# my run\n"), "{once}");
+        let parsed = RunManifest::parse(&once, "pinned").unwrap();
+        assert_eq!(parsed.data.shards, table);
+        assert_eq!(parsed.data.mirrors, mirrors);
+        // Pinning again with one shard less replaces the table; mirrors stay unless given.
+        let twice = pin_shards_in_text(&once, "t", &table[..1], None).unwrap();
+        let e = RunManifest::parse(&twice, "pinned")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("pins no val shard"), "{e}");
+        assert!(twice.contains("https://example.org/d"));
+        let e = pin_shards_in_text("name = 1", "t", &table, None).unwrap_err();
+        assert!(e.to_string().contains("no [data] table"), "{e}");
     }
 
     #[test]

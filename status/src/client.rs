@@ -65,6 +65,25 @@ pub fn format_status(s: &NodeStatus) -> String {
         s.wait_s,
         100.0 * s.idle_share()
     );
+    if s.data.shards_total > 0 {
+        let _ = writeln!(
+            out,
+            "data      {}/{} shards held   fetched {:.1} of {:.1} MiB   served {:.1} MiB{}",
+            s.data.shards_held,
+            s.data.shards_total,
+            s.data.bytes_fetched as f64 / 1048576.0,
+            s.data.bytes_total as f64 / 1048576.0,
+            s.data.bytes_served as f64 / 1048576.0,
+            if s.data.serving {
+                ""
+            } else {
+                "   (not serving)"
+            }
+        );
+        for bad in &s.data.bad_sources {
+            let _ = writeln!(out, "  bad source {bad}");
+        }
+    }
     let neighbours: Vec<&str> = s.neighbours.iter().map(|p| short(p)).collect();
     let _ = writeln!(out, "neighbours {}", neighbours.join(", "));
     for (peer, rate) in &s.goodput {

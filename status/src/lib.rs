@@ -14,6 +14,6 @@ pub mod snapshot;
 pub use metrics::{BootstrapMetrics, NodeMetrics};
 pub use server::StatusServer;
 pub use snapshot::{
-    BannedPeer, BootstrapStatus, GateReading, NodeState, NodeStatus, Reachability, RefusedPayload,
-    RoundRecord, StateSyncReport,
+    BannedPeer, BootstrapStatus, DataStatus, GateReading, NodeState, NodeStatus, Reachability,
+    RefusedPayload, RoundRecord, StateSyncReport,
 };

@@ -43,6 +43,9 @@ pub struct NodeMetrics {
     refused: Family<RefusalLabel, Counter>,
     banned: Gauge,
     score: Family<PeerLabel, FloatGauge>,
+    shards_held: Gauge,
+    shard_bytes_fetched: Counter,
+    shard_bytes_served: Counter,
 }
 
 impl NodeMetrics {
@@ -101,6 +104,21 @@ impl NodeMetrics {
             "Gossipsub application score of each peer with offences (minus one per offence)",
             m.score.clone(),
         );
+        r.register(
+            "shards_held",
+            "Pinned shards of the run this node holds, verified",
+            m.shards_held.clone(),
+        );
+        r.register(
+            "shard_fetched_bytes",
+            "Shard bytes fetched from peers and mirrors",
+            m.shard_bytes_fetched.clone(),
+        );
+        r.register(
+            "shard_served_bytes",
+            "Shard bytes served to peers",
+            m.shard_bytes_served.clone(),
+        );
         m
     }
 
@@ -130,6 +148,9 @@ impl NodeMetrics {
             }
         }
         self.banned.set(s.banned.len() as i64);
+        self.shards_held.set(s.data.shards_held as i64);
+        advance(&self.shard_bytes_fetched, s.data.bytes_fetched);
+        advance(&self.shard_bytes_served, s.data.bytes_served);
         for (peer, score) in &s.scores {
             self.score
                 .get_or_create(&PeerLabel { peer: peer.clone() })

@@ -221,6 +221,27 @@ pub struct NodeStatus {
     /// Offences per peer within the ban window, as its gossipsub application score
     /// (0: none; minus one per offence).
     pub scores: BTreeMap<String, f64>,
+    /// The run's pinned shards on this node: held, fetched and served.
+    pub data: DataStatus,
+}
+
+/// The run's data on one node (all zero for a run that does not pin its shards).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct DataStatus {
+    /// Shards the manifest pins, and how many of them this node holds verified.
+    pub shards_total: u64,
+    pub shards_held: u64,
+    /// Bytes of all pinned shards, and bytes this process fetched (resumed bytes are not
+    /// fetched again and not counted).
+    pub bytes_total: u64,
+    pub bytes_fetched: u64,
+    /// Shard bytes this node served to peers.
+    pub bytes_served: u64,
+    /// Whether this node serves its verified shards to peers.
+    pub serving: bool,
+    /// Sources that served wrong bytes or failed, `source shard: reason`.
+    pub bad_sources: Vec<String>,
 }
 
 /// A peer banned for the rest of the run: its connections are refused, it is no neighbour

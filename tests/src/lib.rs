@@ -2,6 +2,8 @@
 //! `gasloc-bootstrap` and `gasloc-node join` processes on loopback whose output the test
 //! reads back.
 
+pub mod http_mirror;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -197,6 +199,14 @@ pub fn start_bootstrap(
 
 /// `gasloc-node join` on loopback with its own home under `dir`, one libtorch thread.
 pub fn join_command(bootstrap: &str, home: &Path, data: &Path, extra: &[&str]) -> Command {
+    let mut command = fetching_join_command(bootstrap, home, extra);
+    command.arg("--data").arg(data);
+    command
+}
+
+/// [`join_command`] without `--data`: the node fetches the run's pinned shards from the
+/// swarm into `<home>/data`.
+pub fn fetching_join_command(bootstrap: &str, home: &Path, extra: &[&str]) -> Command {
     let mut command = Command::new(built_binary("gasloc-node"));
     command
         .args(["join", "--bootstrap", bootstrap])
@@ -208,8 +218,6 @@ pub fn join_command(bootstrap: &str, home: &Path, data: &Path, extra: &[&str]) -
         ])
         .arg("--home")
         .arg(home)
-        .arg("--data")
-        .arg(data)
         .args(["--device", "cpu", "--threads", "1"])
         .arg("--report")
         .arg(home.join("rounds.jsonl"))
@@ -343,6 +351,26 @@ pub fn prepare_byte_data(dir: &Path) -> PathBuf {
         .expect("gasloc-node data prepare runs");
     assert!(status.success(), "data prepare failed");
     data
+}
+
+/// `gasloc-node data pin --data <data> --manifest <manifest>`, which must succeed; returns
+/// its stdout.
+pub fn pin_data(data: &Path, manifest: &Path, extra: &[&str]) -> String {
+    let output = Command::new(built_binary("gasloc-node"))
+        .args(["data", "pin", "--data"])
+        .arg(data)
+        .arg("--manifest")
+        .arg(manifest)
+        .args(extra)
+        .output()
+        .expect("gasloc-node runs");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "data pin failed: {stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
 }
 
 /// Network namespaces a test creates, named `<name>-<pid>`, each with its loopback up, joined

@@ -3,8 +3,10 @@
 //! script does, bash starts it with SIGINT ignored, and a signal ignored on entry cannot be
 //! trapped: a Ctrl-C sent to the whole process group reaches the nodes (they leave) but not
 //! the script's trap. The script must notice that every node has left and return.
+//! The manifest pins its shards, as the demo's does, so the nodes start without --data and
+//! fetch them from the bootstrap.
 
-use gasloc_tests::{built_binary, prepare_byte_data, tiny_run};
+use gasloc_tests::{built_binary, pin_data, prepare_byte_data, tiny_run};
 use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::path::Path;
@@ -26,6 +28,9 @@ fn the_local_swarm_returns_after_a_group_sigint_that_its_trap_cannot_catch() {
     )
     .unwrap();
     let data = prepare_byte_data(dir);
+    // Pinned, as `make demo` pins the demo's: the bootstrap serves the shards and the nodes
+    // fetch them from the swarm.
+    pin_data(&data, &manifest, &[]);
     let bin = built_binary("gasloc-node").parent().unwrap().to_path_buf();
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
         .parent()
@@ -91,4 +96,13 @@ fn the_local_swarm_returns_after_a_group_sigint_that_its_trap_cannot_catch() {
     let _ = std::fs::File::open(&out).map(|mut f| f.read_to_string(&mut rest));
     assert!(status.success(), "{rest}");
     assert!(rest.contains("every node has left"), "{rest}");
+    assert!(rest.contains("data: the bootstrap serves"), "{rest}");
+    for i in 1..=2 {
+        let log = std::fs::read_to_string(dir.join(format!("swarm/node{i}/stdout.log")))
+            .unwrap_or_default();
+        assert!(
+            log.contains("data_ready shards=2 "),
+            "node{i} fetched the pinned shards from the swarm: {log}"
+        );
+    }
 }
