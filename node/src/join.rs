@@ -397,6 +397,8 @@ async fn make_trainer(
         manifest: manifest.clone(),
         device,
         data: data.context("the libtorch trainer needs the run's data")?,
+        // Without --data, RunData fetched and verified every shard just now.
+        data_checked: args.data.is_none(),
         checkpoints: args.home.join("checkpoints"),
         checkpoint_every: args.checkpoint_every,
         keep_checkpoints: args.keep_checkpoints,

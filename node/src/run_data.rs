@@ -176,6 +176,7 @@ async fn fetch(
     }
     let fetcher = ShardFetcher::new(node.client().stream_control(), config);
     let progress = FetchProgress::new();
+    let started = std::time::Instant::now();
 
     // The peers to ask: every connected peer, refreshed in the background (the fetcher asks
     // for them synchronously whenever it looks for a source again).
@@ -254,10 +255,12 @@ async fn fetch(
             bad.reason
         );
     }
+    let seconds = started.elapsed().as_secs_f64();
     println!(
-        "data_ready shards={} bytes_fetched={} dir={}",
+        "data_ready shards={} bytes_fetched={} seconds={seconds:.2} goodput_mbit={:.1} dir={}",
         p.shards_held,
         p.bytes_fetched,
+        p.bytes_fetched as f64 * 8e-6 / seconds.max(1e-9),
         dir.display()
     );
     Ok(report)

@@ -27,6 +27,7 @@ use crate::algo::outer::{mixed_pseudo_gradient, OuterOptimizer};
 use crate::checkpoint::{self, Checkpoint};
 use crate::trainer::{validation_set, Trainer};
 use anyhow::{anyhow, bail, Context, Result};
+use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::{Batch, WorkerSlot};
 use gasloc_p2p::network::unix_ms;
 use gasloc_p2p::tensors::{Tensor as WireTensor, TensorSet, TensorSpec};
@@ -53,8 +54,12 @@ use tokio::sync::oneshot;
 pub struct VolunteerOptions {
     pub manifest: RunManifest,
     pub device: Device,
-    /// Token shards (`gasloc-node data prepare`).
+    /// Token shards (`gasloc-node data prepare`), checked against the manifest's pinned
+    /// table (when it has one) before they are opened.
     pub data: PathBuf,
+    /// This process has just fetched and verified `data` against the pinned table: it is
+    /// not hashed a second time.
+    pub data_checked: bool,
     /// Checkpoints go to `<checkpoints>/step_…` with a `latest` pointer.
     pub checkpoints: PathBuf,
     /// Save every this many rounds (and when leaving).
@@ -214,10 +219,10 @@ struct RoundTrainer {
 impl RoundTrainer {
     fn open(options: VolunteerOptions) -> Result<RoundTrainer> {
         let manifest = &options.manifest;
-        let data = Arc::new(gasloc_data::pin::open_run_data(
-            &options.data,
-            &manifest.data,
-        )?);
+        let data = Arc::new(match options.data_checked {
+            true => TokenDataset::open(&options.data, manifest.data.tokenizer.vocab_size())?,
+            false => gasloc_data::pin::open_run_data(&options.data, &manifest.data)?,
+        });
         let slot = WorkerSlot { index: 0, count: 1 };
         let mut start = Start::Fresh;
         let mut saved_momentum = Vec::new();

@@ -33,6 +33,7 @@ fn volunteer(dir: &Path, name: &str, gate: &str) -> Volunteer {
         manifest,
         device: tch::Device::Cpu,
         data: byte_data(&home),
+        data_checked: false,
         checkpoints: home.join("checkpoints"),
         checkpoint_every: 0,
         keep_checkpoints: 1,

@@ -258,6 +258,7 @@ pub async fn start_adversary(
         manifest: manifest.clone(),
         device: tch::Device::Cpu,
         data: data.to_path_buf(),
+        data_checked: false,
         checkpoints: home.join("checkpoints"),
         checkpoint_every: 0,
         keep_checkpoints: 1,
