@@ -100,7 +100,7 @@ bench: setup
 # (not committed); the committed corpus in fuzz/corpus/<target> seeds each run. A crash
 # stops here and leaves its input in fuzz/artifacts/<target>/. docs/fuzzing.md.
 FUZZ_TIME    ?= 30
-FUZZ_TARGETS ?= exchange_frames control_message state_request manifest shard_header
+FUZZ_TARGETS ?= exchange_frames control_message state_request manifest shard_header shard_request shard_response
 FUZZ_FLAGS   ?= -rss_limit_mb=2048 -timeout=10
 FUZZ := $(CURDIR)/fuzz
 fuzz:

@@ -552,7 +552,8 @@ fn refusal(reason: RefusalReason, detail: String) -> ShardResponse {
 }
 
 /// What to send for a request that passed the checks.
-enum Answer {
+#[derive(Debug, PartialEq, Eq)]
+pub enum ShardAnswer {
     List(Vec<String>),
     Range {
         path: PathBuf,
@@ -561,26 +562,28 @@ enum Answer {
     },
 }
 
-/// Checks a request against the run and the catalog.
-fn answer_for(
-    inner: &ServiceInner,
+/// Checks a request against the run and the catalog (what the server does with every
+/// request it decoded; pure, so the fuzz target runs exactly this).
+pub fn check_request(
+    run_id: &RunId,
+    catalog: &ShardCatalog,
     request: &ShardRequest,
-) -> Result<Answer, (RefusalReason, String)> {
-    if request.run_id.as_slice() != inner.config.run_id.as_bytes() {
+) -> Result<ShardAnswer, (RefusalReason, String)> {
+    if request.run_id.as_slice() != run_id.as_bytes() {
         return Err((
             RefusalReason::WrongRun,
             format!(
                 "run {} is not this node's run {}",
                 hex::encode(&request.run_id[..request.run_id.len().min(32)]),
-                inner.config.run_id
+                run_id
             ),
         ));
     }
     if request.name.is_empty() {
-        return Ok(Answer::List(names_that_fit(inner.catalog.names())));
+        return Ok(ShardAnswer::List(names_that_fit(catalog.names())));
     }
     let shown: String = request.name.chars().take(MAX_PEER_TEXT_CHARS).collect();
-    let Some((entry, path)) = inner.catalog.get(&request.name) else {
+    let Some((entry, path)) = catalog.get(&request.name) else {
         return Err((
             RefusalReason::UnknownShard,
             format!("this node does not serve {shown:?}"),
@@ -605,7 +608,7 @@ fn answer_for(
             ),
         ));
     }
-    Ok(Answer::Range {
+    Ok(ShardAnswer::Range {
         path,
         offset,
         length,
@@ -662,7 +665,7 @@ async fn serve_stream(
             return;
         }
     };
-    let answer = match answer_for(inner, &request) {
+    let answer = match check_request(&cfg.run_id, &inner.catalog, &request) {
         Ok(answer) => answer,
         Err((reason, detail)) => {
             tracing::debug!(%peer, %reason, %detail, "shard request refused");
@@ -689,12 +692,12 @@ async fn serve_stream(
 async fn send_answer(
     inner: &ServiceInner,
     stream: &mut Stream,
-    answer: Answer,
+    answer: ShardAnswer,
     guard: &PeerStreamGuard,
 ) -> Result<(), String> {
     let io = |e: std::io::Error| e.to_string();
     let (path, offset, length) = match answer {
-        Answer::List(names) => {
+        ShardAnswer::List(names) => {
             let response = ShardResponse {
                 names,
                 ..Default::default()
@@ -704,7 +707,7 @@ async fn send_answer(
             inner.counters.lists_served.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
-        Answer::Range {
+        ShardAnswer::Range {
             path,
             offset,
             length,

@@ -18,10 +18,16 @@ use gasloc_p2p::exchange::{
     OutgoingPayload, SendOptions,
 };
 use gasloc_p2p::schedule::Timing;
+use gasloc_p2p::shard_service::{
+    check_request, is_shard_file_name, read_request, read_response, write_request, write_response,
+    ShardAnswer, ShardCatalog,
+};
 use gasloc_p2p::tensors::{Tensor, TensorSet, TensorSpec};
 use gasloc_p2p::{Keypair, PeerId};
 use gasloc_proto::topology::Topology;
-use gasloc_proto::wire::{ControlMessage, DType, ManifestResponse, PayloadKind, StateRequest};
+use gasloc_proto::wire::{
+    ControlMessage, DType, ManifestResponse, PayloadKind, ShardRequest, ShardResponse, StateRequest,
+};
 use gasloc_proto::{RunId, RunManifest};
 use std::path::Path;
 use std::pin::Pin;
@@ -30,12 +36,14 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 /// The names of the targets, as `fuzz/fuzz_targets/<name>.rs` and `fuzz/corpus/<name>/`.
-pub const TARGETS: [&str; 5] = [
+pub const TARGETS: [&str; 7] = [
     "exchange_frames",
     "control_message",
     "state_request",
     "manifest",
     "shard_header",
+    "shard_request",
+    "shard_response",
 ];
 
 /// The run every target pretends to be part of.
@@ -330,6 +338,45 @@ pub fn shard_header(data: &[u8]) -> Result<usize, gasloc_data::DataError> {
     Ok(shard.len())
 }
 
+/// The shard every `shard_request` input asks about: 4,000 bytes, pinned.
+pub const SERVED_SHARD: &str = "fuzz_train_000000.bin";
+
+/// `shard_request`: a `/gasloc/shard/1` request as the server reads it (length prefix,
+/// protobuf, size bound) and checks it against the run and a catalog holding
+/// [`SERVED_SHARD`]. `Ok`: what the server would send.
+pub fn shard_request(data: &[u8]) -> Result<ShardAnswer, String> {
+    let catalog = ShardCatalog::new();
+    catalog.insert(
+        gasloc_proto::ShardEntry {
+            name: SERVED_SHARD.into(),
+            split: gasloc_proto::Split::Train,
+            bytes: 4000,
+            tokens: 1488,
+            sha256: "00".repeat(32),
+        },
+        Path::new("fuzz").join(SERVED_SHARD),
+    );
+    let mut stream = PeerStream::new(data);
+    let request =
+        futures::executor::block_on(read_request(&mut stream)).map_err(|e| e.to_string())?;
+    check_request(&run_id(), &catalog, &request)
+        .map_err(|(reason, detail)| format!("{reason}: {detail}"))
+}
+
+/// `shard_response`: a `/gasloc/shard/1` response header as the requester reads it (length
+/// prefix, protobuf, size bound). `Ok`: the announced length and the safe names listed.
+pub fn shard_response(data: &[u8]) -> Result<(u64, usize), String> {
+    let mut stream = PeerStream::new(data);
+    let response =
+        futures::executor::block_on(read_response(&mut stream)).map_err(|e| e.to_string())?;
+    let safe = response
+        .names
+        .iter()
+        .filter(|n| is_shard_file_name(n))
+        .count();
+    Ok((response.length, safe))
+}
+
 /// Runs the target named `name` on `data`; `Ok(true)` if the input was accepted.
 pub fn run(name: &str, data: &[u8]) -> Result<bool, String> {
     Ok(match name {
@@ -338,6 +385,8 @@ pub fn run(name: &str, data: &[u8]) -> Result<bool, String> {
         "state_request" => state_request(data).is_ok(),
         "manifest" => manifest(data).is_ok(),
         "shard_header" => shard_header(data).is_ok(),
+        "shard_request" => shard_request(data).is_ok(),
+        "shard_response" => shard_response(data).is_ok(),
         other => return Err(format!("no fuzz target {other}")),
     })
 }
@@ -440,6 +489,42 @@ pub fn seeds() -> Vec<(&'static str, String, Vec<u8>)> {
             }
         }
         seeds.push(("shard_header", format!("seed-{width:?}"), shard));
+    }
+
+    let requests = [("seed-list", ""), ("seed-range", SERVED_SHARD)];
+    for (name, shard) in requests {
+        let request = ShardRequest {
+            run_id: run_id().to_vec(),
+            name: shard.into(),
+            offset: if shard.is_empty() { 0 } else { 1024 },
+            length: if shard.is_empty() { 0 } else { 2048 },
+        };
+        let mut bytes = Vec::new();
+        futures::executor::block_on(write_request(&mut bytes, &request))
+            .expect("writing to memory");
+        seeds.push(("shard_request", name.into(), bytes));
+    }
+    let responses = [
+        (
+            "seed-list",
+            ShardResponse {
+                names: vec![SERVED_SHARD.into(), "fuzz_val_000000.bin".into()],
+                ..Default::default()
+            },
+        ),
+        (
+            "seed-range",
+            ShardResponse {
+                length: 2048,
+                ..Default::default()
+            },
+        ),
+    ];
+    for (name, response) in responses {
+        let mut bytes = Vec::new();
+        futures::executor::block_on(write_response(&mut bytes, &response))
+            .expect("writing to memory");
+        seeds.push(("shard_response", name.into(), bytes));
     }
     seeds
 }
