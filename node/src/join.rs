@@ -71,6 +71,10 @@ pub struct JoinArgs {
     /// resumes from the last whole chunk.
     #[arg(long, default_value_t = 1 << 20)]
     pub data_chunk_bytes: u64,
+    /// How long a shard may find no source (no peer holds it, no mirror serves it) before
+    /// the join stops with an error naming it, in seconds.
+    #[arg(long, default_value_t = 60)]
+    pub data_patience_s: u64,
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: String,

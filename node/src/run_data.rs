@@ -166,6 +166,7 @@ async fn fetch(
     );
     let config = FetchConfig {
         chunk_bytes: args.data_chunk_bytes,
+        patience: Duration::from_secs(args.data_patience_s),
         ..FetchConfig::new(manifest.run_id(), manifest.data.mirrors.clone())
     };
     if !(1024..=MAX_SHARD_CHUNK).contains(&config.chunk_bytes) {

@@ -408,3 +408,27 @@ fn an_http_mirror_serves_the_data_and_a_failing_mirror_falls_back_to_the_swarm()
         node.expect_success(Duration::from_secs(60));
     }
 }
+
+#[test]
+fn a_node_with_no_source_for_its_data_stops_with_an_error_naming_the_shard() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let (manifest, _data) = pinned_run(dir, "no-source-test");
+    // Nobody serves the shards and the manifest lists no mirror.
+    let (_boot_proc, boot) = bootstrap(dir, &manifest, None, &[]);
+    let mut node = Proc::spawn(
+        "node",
+        dir,
+        fetching_join_command(&boot, &dir.join("node"), &["--data-patience-s", "3"]),
+    );
+    assert!(
+        !node.wait_exit(Duration::from_secs(60)),
+        "a node without a source for its data must fail, not hang"
+    );
+    let stderr = node.stderr_tail();
+    assert!(
+        stderr.contains("no source has shard") && stderr.contains(".bin"),
+        "the error names the shard: {stderr}"
+    );
+    assert!(!node.output().contains("round="), "{}", node.output());
+}
