@@ -90,6 +90,7 @@ bench: setup
 	cargo build --release --workspace
 	bash bench/train_throughput.sh
 	bench/exchange_goodput $(if $(filter 0,$(shell id -u)),all,loopback)
+	$(if $(filter 0,$(shell id -u)),bench/shard_fetch,@echo "bench/shard_fetch: skipped (network namespaces need root)")
 	bench/control_plane_scale
 	bench/round_scale
 	bash bench/straggler.sh target/release $(DATA)/shakespeare-byte

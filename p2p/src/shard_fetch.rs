@@ -221,6 +221,9 @@ struct FetchRun<'a> {
     catalog: Option<&'a ShardCatalog>,
     progress: &'a FetchProgress,
     book: Mutex<SourceBook>,
+    /// Told whenever a download gives its source slot back, so that a shard waiting for a
+    /// free source starts at once (not up to a `retry_delay` later, the link idle).
+    freed: tokio::sync::Notify,
     /// Serializes re-listing (one round of list requests at a time).
     listing: tokio::sync::Mutex<()>,
     bad_sources: Mutex<Vec<BadSource>>,
@@ -229,6 +232,7 @@ struct FetchRun<'a> {
 /// A download slot taken on a source; given back when dropped.
 struct SourceInUse<'a> {
     book: &'a Mutex<SourceBook>,
+    freed: &'a tokio::sync::Notify,
     source: ShardSource,
 }
 
@@ -238,6 +242,8 @@ impl Drop for SourceInUse<'_> {
         if let Some(n) = book.in_use.get_mut(&self.source) {
             *n = n.saturating_sub(1);
         }
+        drop(book);
+        self.freed.notify_waiters();
     }
 }
 
@@ -354,6 +360,7 @@ impl ShardFetcher {
             catalog: catalog.as_ref(),
             progress: &progress,
             book: Mutex::new(SourceBook::default()),
+            freed: tokio::sync::Notify::new(),
             listing: tokio::sync::Mutex::new(()),
             bad_sources: Mutex::new(Vec::new()),
         };
@@ -414,14 +421,17 @@ impl ShardFetcher {
         loop {
             let order = (run.peers)();
             self.list_new_peers(run, &order).await;
+            // Made before looking, so that a slot given back after the look wakes it.
+            let freed = run.freed.notified();
             let slot = match self.pick_source(run, entry, &order, &dropped, &cooling) {
                 Pick::Source(slot) if downloads < MAX_DOWNLOADS_PER_SHARD => slot,
                 Pick::Source(_) => return Err(no_source(entry, cfg.patience, &dropped, &cooling)),
                 Pick::AllOccupied => {
                     // Its sources are busy with this fetch's other shards: not a lack of
-                    // sources, so the patience does not run.
+                    // sources, so the patience does not run. Another download ending
+                    // frees a slot; `retry_delay` bounds the wait all the same.
                     hopeful_since = Instant::now();
-                    tokio::time::sleep(cfg.retry_delay).await;
+                    let _ = tokio::time::timeout(cfg.retry_delay, freed).await;
                     continue;
                 }
                 Pick::Nothing => {
@@ -647,6 +657,7 @@ impl ShardFetcher {
         *book.in_use.entry(chosen.clone()).or_insert(0) += 1;
         Pick::Source(SourceInUse {
             book: &run.book,
+            freed: &run.freed,
             source: chosen,
         })
     }
