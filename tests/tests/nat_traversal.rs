@@ -18,7 +18,10 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-const ROUNDS: u64 = 14;
+/// With three nodes and one-peer pairs, A and B are partners in a third of the rounds, at
+/// random: 14 rounds (about 9 after the hole punch) left them unpaired about once in 40 runs
+/// (CI saw it once); 24 leave them unpaired after the punch about once in 2,000.
+const ROUNDS: u64 = 24;
 /// Rounds at the end in which every pairing must have exchanged: AutoNAT's first probe comes
 /// 15 s after a node starts, and the relay circuit and the hole punch follow it.
 const SETTLED_ROUNDS: usize = 4;
