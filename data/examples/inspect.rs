@@ -39,7 +39,7 @@ fn inspect(dir: PathBuf, tokenizer: Tokenizer) -> Result<(), gasloc_data::DataEr
         "{}: {} training tokens in {} shards, {} validation tokens in {} shards",
         dir.display(),
         data.train_tokens(),
-        data.train_shards().len(),
+        data.train_shard_count(),
         data.val_tokens(),
         data.val_shards().len()
     );

@@ -14,6 +14,10 @@ pub enum DataError {
     #[error("shard {}: {problem}", path.display())]
     NotPinned { path: PathBuf, problem: String },
 
+    /// A shard the dataset was opened ahead of never arrived: its download gave up.
+    #[error("shard {} is not here and will not come: {why}", path.display())]
+    ShardUnavailable { path: PathBuf, why: String },
+
     /// A shard could not be opened, read or written.
     #[error("shard {}: {source}", path.display())]
     ShardIo {

@@ -13,6 +13,8 @@ pub mod tokenizer;
 
 pub use error::DataError;
 pub use prepare::{prepare, PrepareOptions, PrepareReport};
-pub use shards::{read_shard, read_shard_from, write_shard, Shard, TokenDataset, TokenWidth};
+pub use shards::{
+    read_shard, read_shard_from, write_shard, Shard, ShardSupply, TokenDataset, TokenWidth,
+};
 pub use stream::{validation_batches, Batch, BatchStream, StreamCursor, WorkerSlot};
 pub use tokenizer::TextTokenizer;

@@ -9,15 +9,23 @@
 //!
 //! The rest of the header is zero. A [`TokenDataset`] is every `*.bin` shard of one
 //! directory, in file-name order: `*_val_*.bin` are the validation split, the others the
-//! training split. Opening checks every shard completely — magic, version, that the file
+//! training split. Reading a shard checks it completely — magic, version, that the file
 //! size is exactly what the header says, and that every token lies inside the
 //! vocabulary — so the trainer never meets a bad token later. Tokens are read into
 //! memory once, at their stored width (two bytes each for GPT-2 and byte data).
+//!
+//! A dataset opened whole ([`TokenDataset::open`]) reads every shard at once. A run's
+//! pinned shards can also be opened while they are still downloading
+//! ([`TokenDataset::open_pinned`]): the lengths come from the manifest's table, and each
+//! training shard is waited for (from a [`ShardSupply`]) and read the first time a batch
+//! needs it, so a joining node trains on its first shard while the rest arrive.
 
 use crate::DataError;
+use gasloc_proto::manifest::ShardEntry;
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 
 /// `i32` entries in a shard header.
 pub const HEADER_INTS: usize = 256;
@@ -357,13 +365,58 @@ pub(crate) fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, DataError> {
     Ok(paths)
 }
 
-/// Every shard of a data directory, split into training and validation.
-#[derive(Debug)]
+/// Where a dataset's missing shards come from while it is in use: a download under way
+/// (the node's fetch of the run's pinned shards). The dataset asks for a shard the first
+/// time it reads it, from the thread that reads it.
+pub trait ShardSupply: Send + Sync + std::fmt::Debug {
+    /// Blocks until the shard named `name` lies in the dataset's directory under that name,
+    /// whole and verified against the run's pinned table, or says why it never will.
+    fn wait_for(&self, name: &str) -> Result<(), String>;
+}
+
+/// A training shard: its file and length are known when the dataset opens, its tokens are
+/// read at first use (at once for a directory opened whole, by [`TokenDataset::open`]).
+struct TrainShard {
+    path: PathBuf,
+    /// Tokens, from the header (opened whole) or the pinned table (opened ahead of its data).
+    len: usize,
+    tokens: OnceLock<Shard>,
+}
+
+/// Every shard of a data directory, split into training and validation. The training
+/// shards are numbered in file-name order, whether they are read when the dataset opens
+/// ([`Self::open`]) or as they are first needed ([`Self::open_pinned`]); the validation
+/// shards are always read when it opens.
 pub struct TokenDataset {
     dir: PathBuf,
     vocab_size: usize,
-    train: Vec<Shard>,
+    train: Vec<TrainShard>,
     val: Vec<Shard>,
+    /// Where the training shards not in `dir` yet come from (None: all were there).
+    supply: Option<Arc<dyn ShardSupply>>,
+}
+
+/// Paths and lengths only, as for [`Shard`].
+impl std::fmt::Debug for TrainShard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrainShard")
+            .field("path", &self.path)
+            .field("len", &self.len)
+            .field("read", &self.tokens.get().is_some())
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for TokenDataset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenDataset")
+            .field("dir", &self.dir)
+            .field("vocab_size", &self.vocab_size)
+            .field("train", &self.train)
+            .field("val", &self.val)
+            .field("arriving", &self.supply.is_some())
+            .finish()
+    }
 }
 
 impl TokenDataset {
@@ -377,13 +430,66 @@ impl TokenDataset {
         let (mut train, mut val) = (Vec::new(), Vec::new());
         for path in paths {
             let name = path.file_name().unwrap_or_default().to_string_lossy();
-            let split = if is_validation_shard(&name) {
-                &mut val
+            let shard = read_shard(&path, vocab_size)?;
+            if is_validation_shard(&name) {
+                val.push(shard);
             } else {
-                &mut train
-            };
-            split.push(read_shard(&path, vocab_size)?);
+                train.push(TrainShard {
+                    path: path.clone(),
+                    len: shard.len(),
+                    tokens: OnceLock::from(shard),
+                });
+            }
         }
+        Self::assemble(dir, vocab_size, train, val, None)
+    }
+
+    /// Opens a run's pinned shards in `dir` while they are still arriving: the validation
+    /// shards are waited for from `supply` and read now; each training shard is waited for
+    /// and read the first time a batch needs it ([`Self::train_shard`]). The training
+    /// shards are numbered in name order, as [`Self::open`] numbers them, so a stream over
+    /// either is the same stream. The caller's `supply` verifies every shard against
+    /// `table` before it is in `dir`; a shard whose tokens then disagree with the table's
+    /// count is refused when read.
+    pub fn open_pinned(
+        dir: &Path,
+        table: &[ShardEntry],
+        vocab_size: usize,
+        supply: Arc<dyn ShardSupply>,
+    ) -> Result<Self, DataError> {
+        let mut entries: Vec<&ShardEntry> = table.iter().collect();
+        entries.sort_by(|a, b| a.name.cmp(&b.name));
+        let (mut train, mut val) = (Vec::new(), Vec::new());
+        for entry in entries {
+            let path = dir.join(&entry.name);
+            let len = usize::try_from(entry.tokens).map_err(|_| DataError::NotPinned {
+                path: path.clone(),
+                problem: format!(
+                    "the manifest pins {} tokens, more than this machine can address",
+                    entry.tokens
+                ),
+            })?;
+            if is_validation_shard(&entry.name) {
+                val.push(read_supplied(&path, len, vocab_size, supply.as_ref())?);
+            } else {
+                train.push(TrainShard {
+                    path,
+                    len,
+                    tokens: OnceLock::new(),
+                });
+            }
+        }
+        Self::assemble(dir, vocab_size, train, val, Some(supply))
+    }
+
+    /// The dataset of these shards; at least one must be a training shard.
+    fn assemble(
+        dir: &Path,
+        vocab_size: usize,
+        train: Vec<TrainShard>,
+        val: Vec<Shard>,
+        supply: Option<Arc<dyn ShardSupply>>,
+    ) -> Result<Self, DataError> {
         if train.is_empty() {
             return Err(DataError::NoTrainingShards {
                 dir: dir.to_path_buf(),
@@ -394,6 +500,7 @@ impl TokenDataset {
             vocab_size,
             train,
             val,
+            supply,
         })
     }
 
@@ -405,8 +512,48 @@ impl TokenDataset {
         self.vocab_size
     }
 
-    pub fn train_shards(&self) -> &[Shard] {
-        &self.train
+    /// Training shards, read or not.
+    pub fn train_shard_count(&self) -> usize {
+        self.train.len()
+    }
+
+    /// Tokens in training shard `index`, known without reading it. Panics if `index` is
+    /// not below [`Self::train_shard_count`].
+    pub fn train_shard_len(&self, index: usize) -> usize {
+        self.train[index].len
+    }
+
+    /// The file of training shard `index` (it may not be there yet).
+    pub fn train_shard_path(&self, index: usize) -> &Path {
+        &self.train[index].path
+    }
+
+    /// Whether training shard `index` has been read into memory.
+    pub fn train_shard_is_read(&self, index: usize) -> bool {
+        self.train[index].tokens.get().is_some()
+    }
+
+    /// Training shard `index`, read and checked at its first use: for a dataset opened
+    /// ahead of its data, after waiting for the supply to deliver it. An error names the
+    /// shard (it never arrived, or its tokens are bad). Panics if `index` is not below
+    /// [`Self::train_shard_count`].
+    pub fn train_shard(&self, index: usize) -> Result<&Shard, DataError> {
+        let slot = &self.train[index];
+        if let Some(shard) = slot.tokens.get() {
+            return Ok(shard);
+        }
+        let supply = self
+            .supply
+            .as_deref()
+            .expect("a dataset opened whole has read every shard");
+        let shard = read_supplied(&slot.path, slot.len, self.vocab_size, supply)?;
+        // Another thread may have read it meanwhile: either copy is the same shard.
+        Ok(slot.tokens.get_or_init(|| shard))
+    }
+
+    /// Every training shard, read (waiting for those still arriving).
+    pub fn train_shards(&self) -> Result<Vec<&Shard>, DataError> {
+        (0..self.train.len()).map(|i| self.train_shard(i)).collect()
     }
 
     pub fn val_shards(&self) -> &[Shard] {
@@ -414,10 +561,35 @@ impl TokenDataset {
     }
 
     pub fn train_tokens(&self) -> usize {
-        self.train.iter().map(Shard::len).sum()
+        self.train.iter().map(|s| s.len).sum()
     }
 
     pub fn val_tokens(&self) -> usize {
         self.val.iter().map(Shard::len).sum()
     }
+}
+
+/// Waits for `supply` to deliver the shard at `path`, then reads and checks it, and that
+/// it holds the `len` tokens the pinned table says.
+fn read_supplied(
+    path: &Path,
+    len: usize,
+    vocab_size: usize,
+    supply: &dyn ShardSupply,
+) -> Result<Shard, DataError> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    supply
+        .wait_for(&name)
+        .map_err(|why| DataError::ShardUnavailable {
+            path: path.to_path_buf(),
+            why,
+        })?;
+    let shard = read_shard(path, vocab_size)?;
+    if shard.len() != len {
+        return Err(DataError::NotPinned {
+            path: path.to_path_buf(),
+            problem: format!("holds {} tokens, the manifest pins {len}", shard.len()),
+        });
+    }
+    Ok(shard)
 }

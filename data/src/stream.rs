@@ -10,9 +10,14 @@
 //! training shards, in shard order, are numbered `0 .. W`.
 //!
 //! # Disjoint, seeded streams
-//! Epoch `e` orders the `W` windows by a permutation drawn from ChaCha8 keyed by the run's
-//! `seed` (stream number `e`), so every worker with the same seed and data computes the
-//! same permutation. Worker `index` of `count` ([`WorkerSlot`]) takes the windows at
+//! Epoch `e` orders the `W` windows shard by shard, as llm.c reads its shards: a generator
+//! (ChaCha8 keyed by the stream's `seed`, stream number `e`) first shuffles the training
+//! shards, then, shard after shard in that order, the shard's own windows. So every worker
+//! with the same seed and data computes the same order, and a worker reads one shard
+//! through before it needs the next — which lets a joining node train on its first shard
+//! while it fetches the others ([`BatchStream::shards_ahead`] says in which order it will
+//! need them). With a single training shard the shard shuffle draws nothing, and the order
+//! is a permutation of its windows. Worker `index` of `count` ([`WorkerSlot`]) takes the windows at
 //! permutation positions `index, index + count, index + 2·count, …`; the slots of one
 //! epoch are therefore disjoint, and together they cover every window once. A micro-batch
 //! is the worker's next `micro_batch` windows; when its share of an epoch is used up it
@@ -84,13 +89,48 @@ fn order_key(seed: u64) -> [u8; 32] {
     key
 }
 
-/// The order of the `windows` training windows in `epoch`.
-fn epoch_order(seed: u64, epoch: u64, windows: usize) -> Vec<usize> {
+/// One epoch's order of the training windows (see the module doc).
+struct EpochOrder {
+    /// The shards, in the order the epoch reads them.
+    shards: Vec<usize>,
+    /// The window numbers, shard after shard in `shards` order, shuffled inside each shard.
+    windows: Vec<usize>,
+}
+
+/// The order of the training windows in `epoch`, for shards whose windows are numbered
+/// from `shard_first_window[s]` up to the next shard's first (`train_windows` for the last).
+fn epoch_order(
+    seed: u64,
+    epoch: u64,
+    shard_first_window: &[usize],
+    train_windows: usize,
+) -> EpochOrder {
     let mut rng = ChaCha8Rng::from_seed(order_key(seed));
     rng.set_stream(epoch);
-    let mut order: Vec<usize> = (0..windows).collect();
-    order.shuffle(&mut rng);
-    order
+    let mut shards: Vec<usize> = (0..shard_first_window.len()).collect();
+    shards.shuffle(&mut rng);
+    let mut windows = Vec::with_capacity(train_windows);
+    for &shard in &shards {
+        let (first, end) = shard_windows(shard_first_window, train_windows, shard);
+        let from = windows.len();
+        windows.extend(first..end);
+        windows[from..].shuffle(&mut rng);
+    }
+    EpochOrder { shards, windows }
+}
+
+/// The window numbers `first..end` of training shard `shard`.
+fn shard_windows(
+    shard_first_window: &[usize],
+    train_windows: usize,
+    shard: usize,
+) -> (usize, usize) {
+    let first = shard_first_window[shard];
+    let end = shard_first_window
+        .get(shard + 1)
+        .copied()
+        .unwrap_or(train_windows);
+    (first, end)
 }
 
 /// Windows of `seq_len + 1` tokens with stride `seq_len` in a shard of `len` tokens.
@@ -135,8 +175,8 @@ pub struct BatchStream {
     train_windows: usize,
     epoch: u64,
     position: usize,
-    /// The permutation of `epoch`.
-    order: Vec<usize>,
+    /// The order of `epoch`.
+    order: EpochOrder,
 }
 
 /// Where the stream stands, not the permutation it holds.
@@ -167,11 +207,11 @@ impl BatchStream {
                 slot.index, slot.count
             )));
         }
-        let mut shard_first_window = Vec::with_capacity(data.train_shards().len());
+        let mut shard_first_window = Vec::with_capacity(data.train_shard_count());
         let mut train_windows = 0;
-        for shard in data.train_shards() {
+        for shard in 0..data.train_shard_count() {
             shard_first_window.push(train_windows);
-            train_windows += windows_in(shard.len(), seq_len);
+            train_windows += windows_in(data.train_shard_len(shard), seq_len);
         }
         let needed = slot.count * micro_batch;
         if train_windows < needed {
@@ -186,7 +226,7 @@ impl BatchStream {
             )));
         }
         Ok(BatchStream {
-            order: epoch_order(seed, 0, train_windows),
+            order: epoch_order(seed, 0, &shard_first_window, train_windows),
             data,
             seq_len,
             micro_batch,
@@ -203,6 +243,11 @@ impl BatchStream {
         self.slot
     }
 
+    /// The data this stream reads.
+    pub fn dataset(&self) -> &Arc<TokenDataset> {
+        &self.data
+    }
+
     /// Training windows (sequences) in one epoch, over all workers.
     pub fn train_windows(&self) -> usize {
         self.train_windows
@@ -213,28 +258,82 @@ impl BatchStream {
         (self.train_windows - self.slot.index).div_ceil(self.slot.count)
     }
 
-    /// The next `micro_batch` sequences of this worker.
-    pub fn next_batch(&mut self) -> Batch {
+    /// The next `micro_batch` sequences of this worker. Reading a shard for the first time
+    /// can fail only for a dataset opened ahead of its data
+    /// ([`TokenDataset::open_pinned`]): the shard never arrived, or its tokens are bad.
+    /// The stream then stays where it was.
+    pub fn next_batch(&mut self) -> Result<Batch, DataError> {
+        let before = self.cursor();
         let mut batch = empty_batch(self.micro_batch, self.seq_len);
         for _ in 0..self.micro_batch {
             let window = self.next_window();
             let shard_index = self.shard_first_window.partition_point(|&f| f <= window) - 1;
             let start = (window - self.shard_first_window[shard_index]) * self.seq_len;
-            let shard = &self.data.train_shards()[shard_index];
-            push_window(shard, start, self.seq_len, &mut batch);
+            match self.data.train_shard(shard_index) {
+                Ok(shard) => push_window(shard, start, self.seq_len, &mut batch),
+                Err(e) => {
+                    self.seek(&before).expect("a stream's own cursor fits it");
+                    return Err(e);
+                }
+            }
         }
-        batch
+        Ok(batch)
     }
 
     fn next_window(&mut self) -> usize {
         if self.position == self.windows_per_epoch() {
             self.epoch += 1;
             self.position = 0;
-            self.order = epoch_order(self.seed, self.epoch, self.train_windows);
+            self.order = self.order_of(self.epoch);
         }
-        let window = self.order[self.slot.index + self.position * self.slot.count];
+        let window = self.order.windows[self.slot.index + self.position * self.slot.count];
         self.position += 1;
         window
+    }
+
+    fn order_of(&self, epoch: u64) -> EpochOrder {
+        epoch_order(
+            self.seed,
+            epoch,
+            &self.shard_first_window,
+            self.train_windows,
+        )
+    }
+
+    /// The training shards (indices in [`TokenDataset`] order) in the order this stream
+    /// will first read them from where it stands: those left in this epoch, then the next
+    /// epoch's, then any it may never read (a shard too small to give this worker a
+    /// window) — each shard once. A node fetching a run's data fetches it in this order.
+    pub fn shards_ahead(&self) -> Vec<usize> {
+        let count = self.slot.count;
+        // Position in the epoch's order of this worker's next window.
+        let next = self.slot.index + self.position * count;
+        let mut ahead = Vec::with_capacity(self.shard_first_window.len());
+        let mut listed = vec![false; self.shard_first_window.len()];
+        let mut list = |shard: usize| {
+            if !std::mem::replace(&mut listed[shard], true) {
+                ahead.push(shard);
+            }
+        };
+        let mut start = 0;
+        for &shard in &self.order.shards {
+            let (first, end) = shard_windows(&self.shard_first_window, self.train_windows, shard);
+            let end = start + (end - first);
+            // This worker's first position at or after `max(start, next)`.
+            let from = start.max(next);
+            let mine = from + (self.slot.index + count - from % count) % count;
+            if mine < end {
+                list(shard);
+            }
+            start = end;
+        }
+        for shard in self.order_of(self.epoch + 1).shards {
+            list(shard);
+        }
+        for shard in 0..self.shard_first_window.len() {
+            list(shard);
+        }
+        ahead
     }
 
     /// Where the stream stands; [`Self::seek`] returns to it.
@@ -281,7 +380,7 @@ impl BatchStream {
             )));
         }
         if cursor.epoch != self.epoch {
-            self.order = epoch_order(self.seed, cursor.epoch, self.train_windows);
+            self.order = self.order_of(cursor.epoch);
             self.epoch = cursor.epoch;
         }
         self.position = cursor.position;

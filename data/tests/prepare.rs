@@ -43,7 +43,7 @@ fn options(inputs: Vec<PathBuf>, out: PathBuf, tokenizer: Tokenizer) -> PrepareO
 
 /// Validation shards, then training shards, each in name order: the whole token stream.
 fn token_stream(data: &TokenDataset) -> Vec<u32> {
-    let shards = data.val_shards().iter().chain(data.train_shards());
+    let shards = data.val_shards().iter().chain(data.train_shards().unwrap());
     shards.flat_map(|s| s.to_u32_vec()).collect()
 }
 
@@ -75,7 +75,12 @@ fn round_trip(tokenizer: Tokenizer) {
         (data.train_tokens(), data.val_tokens()),
         (report.train_tokens, 30)
     );
-    for shard in data.train_shards().iter().chain(data.val_shards()) {
+    for shard in data
+        .train_shards()
+        .unwrap()
+        .into_iter()
+        .chain(data.val_shards())
+    {
         assert!(
             shard.len() <= 40 && !shard.is_empty(),
             "{}",

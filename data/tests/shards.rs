@@ -87,7 +87,12 @@ fn dataset_splits_validation_from_training_and_ignores_other_files() {
 
     let data = TokenDataset::open(d, 10).unwrap();
     assert_eq!((data.train_tokens(), data.val_tokens()), (6, 3));
-    let train: Vec<_> = data.train_shards().iter().map(|s| s.to_u32_vec()).collect();
+    let train: Vec<_> = data
+        .train_shards()
+        .unwrap()
+        .iter()
+        .map(|s| s.to_u32_vec())
+        .collect();
     assert_eq!(
         train,
         vec![vec![6, 7, 8, 9], vec![4, 5]],

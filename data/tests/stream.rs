@@ -69,7 +69,7 @@ fn window_ids(batch: &Batch) -> Vec<i64> {
 fn next_windows(stream: &mut BatchStream, n: usize) -> Vec<i64> {
     let mut ids = Vec::new();
     while ids.len() < n {
-        ids.extend(window_ids(&stream.next_batch()));
+        ids.extend(window_ids(&stream.next_batch().unwrap()));
     }
     ids.truncate(n);
     ids
@@ -132,7 +132,7 @@ fn batches_are_windows_of_consecutive_tokens_with_shifted_targets() {
     let (_dir, data) = dataset();
     let mut worker = stream(&data, 1, 2, 7);
     for _ in 0..100 {
-        assert_well_formed(&worker.next_batch());
+        assert_well_formed(&worker.next_batch().unwrap());
     }
 }
 
@@ -141,9 +141,9 @@ fn the_same_seed_and_slot_give_the_same_stream_and_others_differ() {
     let (_dir, data) = dataset();
     let (mut a, mut b) = (stream(&data, 1, 3, 9), stream(&data, 1, 3, 9));
     for _ in 0..80 {
-        assert_eq!(a.next_batch(), b.next_batch());
+        assert_eq!(a.next_batch().unwrap(), b.next_batch().unwrap());
     }
-    let first = |index, seed| stream(&data, index, 3, seed).next_batch();
+    let first = |index, seed| stream(&data, index, 3, seed).next_batch().unwrap();
     assert_ne!(first(1, 9), first(1, 10), "another seed, another order");
     assert_ne!(first(1, 9), first(2, 9), "another worker, other windows");
 }
@@ -174,22 +174,22 @@ fn seek_resumes_bit_exactly_also_across_epochs_and_through_serde() {
     for stop in [0, 13, 26, 27, 40, 80] {
         let mut run = stream(&data, 1, 2, 5);
         for _ in 0..stop {
-            run.next_batch();
+            run.next_batch().unwrap();
         }
         let json = serde_json::to_string(&run.cursor()).unwrap();
         let cursor: StreamCursor = serde_json::from_str(&json).unwrap();
         assert_eq!(cursor, run.cursor());
-        let expected: Vec<Batch> = (0..30).map(|_| run.next_batch()).collect();
+        let expected: Vec<Batch> = (0..30).map(|_| run.next_batch().unwrap()).collect();
 
         let mut resumed = stream(&data, 1, 2, 5);
         resumed.seek(&cursor).unwrap();
-        let got: Vec<Batch> = (0..30).map(|_| resumed.next_batch()).collect();
+        let got: Vec<Batch> = (0..30).map(|_| resumed.next_batch().unwrap()).collect();
         assert_eq!(got, expected, "resume after {stop} batches");
         assert_eq!(resumed.cursor(), run.cursor());
 
         // And an advanced stream can be sent back.
         original.seek(&cursor).unwrap();
-        assert_eq!(original.next_batch(), expected[0]);
+        assert_eq!(original.next_batch().unwrap(), expected[0]);
     }
 }
 
@@ -228,7 +228,10 @@ fn seek_refuses_a_cursor_of_another_stream() {
     };
     refuse(&mut mine, past_the_end, "past the");
     // The refused cursors changed nothing.
-    assert_eq!(mine.next_batch(), stream(&data, 0, 2, 1).next_batch());
+    assert_eq!(
+        mine.next_batch().unwrap(),
+        stream(&data, 0, 2, 1).next_batch().unwrap()
+    );
 }
 
 #[test]
