@@ -14,7 +14,7 @@
 use crate::exchange::{ExchangeError, OutgoingPayload, SendOptions};
 use crate::exchange_service::{ExchangeResults, ExchangeService};
 use crate::network::{unix_ms, Client, NetworkEvent};
-use crate::peer_standing::{is_offence, BanFile, PeerStanding};
+use crate::peer_standing::{is_offence, BanFile, OffenceInbox, PeerStanding};
 pub use crate::round_machine::RoundRecord;
 use crate::round_machine::{Input, MachineConfig, Outcome, Output, RoundMachine, StatusChange};
 use crate::schedule::{RoundSchedule, Timing};
@@ -48,6 +48,9 @@ pub struct DriverOptions {
     pub standing: PeerStanding,
     /// Where new bans are written, so a restarted node keeps them (`None`: not kept).
     pub ban_file: Option<PathBuf>,
+    /// Offences found beside the rounds (bad shard bytes from the data fetch), counted with
+    /// each round's own.
+    pub offences: OffenceInbox,
 }
 
 async fn join_opt<T>(handle: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
@@ -364,13 +367,13 @@ impl RoundDriver {
         Ok(records)
     }
 
-    /// Counts the round's offences against their peers (refused payloads, withheld reveals),
-    /// lowers their gossipsub scores, and bans the peers that reached the limit: their
-    /// connections are refused from now on, the ban is written to the node's home, and
-    /// `/status` shows it.
+    /// Counts the round's offences against their peers (refused payloads, withheld reveals,
+    /// and those posted to the inbox since the last round), lowers their gossipsub scores,
+    /// and bans the peers that reached the limit: their connections are refused from now
+    /// on, the ban is written to the node's home, and `/status` shows it.
     async fn judge_peers(&self, standing: &mut PeerStanding, record: &RoundRecord) {
         let round = record.round;
-        let offences = record
+        let in_round = record
             .refused
             .iter()
             .map(|r| (r.peer.as_str(), r.kind.as_str()))
@@ -380,13 +383,14 @@ impl RoundDriver {
                     .iter()
                     .map(|p| (p.as_str(), "withheld_reveal")),
             )
+            .filter_map(|(peer, kind)| Some((peer.parse::<PeerId>().ok()?, kind)));
+        let posted = self.options.offences.take();
+        let offences = in_round
+            .chain(posted.iter().map(|&(peer, kind)| (peer, kind)))
             .filter(|(_, kind)| is_offence(kind));
         let mut offenders = Vec::new();
         let mut banned = false;
         for (peer, kind) in offences {
-            let Ok(peer) = peer.parse::<PeerId>() else {
-                continue;
-            };
             match standing.offend(peer, round, kind) {
                 Some(ban) => {
                     tracing::warn!(

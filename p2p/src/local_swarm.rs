@@ -109,6 +109,7 @@ impl LocalSwarm {
                     send: SendOptions::default(),
                     standing: PeerStanding::new(&GateConfig::default(), Vec::new()),
                     ban_file: None,
+                    offences: Default::default(),
                 },
                 status: tokio::sync::watch::channel(Default::default()).0,
                 stop: Default::default(),

@@ -22,6 +22,7 @@ use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 /// The application score of a banned peer (gossipsub's default graylist threshold is −80
 /// and its application weight 10, so a banned peer is graylisted at once).
@@ -43,6 +44,34 @@ pub const OFFENCES: &[&str] = &[
 /// Whether a refusal of `kind` counts against the peer.
 pub fn is_offence(kind: &str) -> bool {
     OFFENCES.contains(&kind)
+}
+
+/// Offences found beside the rounds rather than in them — shard bytes that fail the pinned
+/// digest while the node fetches the rest of its data as it trains — posted by whoever
+/// found them and counted by the round driver with the next round's offences. A cheap,
+/// cloneable handle.
+#[derive(Debug, Clone, Default)]
+pub struct OffenceInbox {
+    posted: Arc<Mutex<Vec<(PeerId, &'static str)>>>,
+}
+
+impl OffenceInbox {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// `peer` committed an offence of `kind` (one of [`OFFENCES`]).
+    pub fn post(&self, peer: PeerId, kind: &'static str) {
+        self.posted
+            .lock()
+            .expect("offence inbox lock")
+            .push((peer, kind));
+    }
+
+    /// The offences posted since the last take, oldest first.
+    pub fn take(&self) -> Vec<(PeerId, &'static str)> {
+        std::mem::take(&mut *self.posted.lock().expect("offence inbox lock"))
+    }
 }
 
 /// A peer banned for the rest of the run (the `/status` document's type).

@@ -117,7 +117,8 @@ fn tried_text(tried: &[String]) -> String {
     }
 }
 
-/// Counters a status page reads while a fetch runs (cheap to clone, shared).
+/// Counters a status page reads while a fetch runs (cheap to clone, shared). Fetches that
+/// share one add up: a node fetching its first shards, then the rest, shows one total.
 #[derive(Debug, Clone, Default)]
 pub struct FetchProgress {
     counters: Arc<ProgressCounters>,
@@ -134,7 +135,7 @@ struct ProgressCounters {
 /// A reading of [`FetchProgress`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FetchProgressSnapshot {
-    /// Bytes of every pinned shard.
+    /// Bytes of every shard the fetches sharing these counters were asked for.
     pub bytes_total: u64,
     /// Bytes downloaded by this process (bytes of resumed `.part` files not counted).
     pub bytes_fetched: u64,
@@ -349,10 +350,9 @@ impl ShardFetcher {
         blocking(move || std::fs::create_dir_all(&owned_dir).map_err(io_error(&owned_dir))).await?;
         let c = &progress.counters;
         c.shards_total
-            .store(entries.len() as u64, Ordering::Relaxed);
+            .fetch_add(entries.len() as u64, Ordering::Relaxed);
         c.bytes_total
-            .store(entries.iter().map(|e| e.bytes).sum(), Ordering::Relaxed);
-        c.shards_held.store(0, Ordering::Relaxed);
+            .fetch_add(entries.iter().map(|e| e.bytes).sum(), Ordering::Relaxed);
 
         let run = FetchRun {
             dir,

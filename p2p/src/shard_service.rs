@@ -35,6 +35,7 @@
 
 use crate::upload_limit::UploadLimiter;
 use futures::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, StreamExt};
+use gasloc_data::ShardSupply;
 use gasloc_proto::wire::{ShardRequest, ShardResponse};
 use gasloc_proto::{RunId, ShardEntry};
 use libp2p::{PeerId, Stream, StreamProtocol};
@@ -42,7 +43,7 @@ use prost::Message;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 use tokio::sync::Semaphore;
 
@@ -231,11 +232,27 @@ pub async fn read_response<R: AsyncRead + Unpin>(
     read_message(r, MAX_SHARD_RESPONSE, "shard response").await
 }
 
-/// The verified shards this node serves, by name, with the file that holds each. A cheap,
-/// cloneable handle: the fetcher inserts a shard once it verified it, the service reads.
+/// The verified shards this node holds and serves, by name, with the file that holds each.
+/// A cheap, cloneable handle: the fetcher inserts a shard once it verified it, the service
+/// reads, and a trainer that opened the run's data ahead of its shards waits here for the
+/// one it needs ([`ShardSupply`]) until it is inserted or the fetch gives up.
 #[derive(Debug, Clone, Default)]
 pub struct ShardCatalog {
-    shards: Arc<RwLock<HashMap<String, (ShardEntry, PathBuf)>>>,
+    inner: Arc<CatalogInner>,
+}
+
+#[derive(Debug, Default)]
+struct CatalogInner {
+    state: Mutex<CatalogState>,
+    /// Notified on every insert and on giving up.
+    changed: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct CatalogState {
+    shards: HashMap<String, (ShardEntry, PathBuf)>,
+    /// Why the shards still missing will not come (the fetch failed or stopped).
+    given_up: Option<String>,
 }
 
 impl ShardCatalog {
@@ -243,23 +260,34 @@ impl ShardCatalog {
         Self::default()
     }
 
+    fn state(&self) -> std::sync::MutexGuard<'_, CatalogState> {
+        self.inner.state.lock().expect("shard catalog lock")
+    }
+
     /// Serves `entry` from `path` from now on. The caller has verified the file against the
     /// entry (the service checks only that ranges lie inside `entry.bytes`).
     pub fn insert(&self, entry: ShardEntry, path: PathBuf) {
-        let mut shards = self.shards.write().expect("shard catalog lock");
-        shards.insert(entry.name.clone(), (entry, path));
+        self.state()
+            .shards
+            .insert(entry.name.clone(), (entry, path));
+        self.inner.changed.notify_all();
+    }
+
+    /// No shard missing now will be inserted: whoever waits for one gets `why`.
+    pub fn give_up(&self, why: String) {
+        self.state().given_up.get_or_insert(why);
+        self.inner.changed.notify_all();
     }
 
     /// The names served, sorted.
     pub fn names(&self) -> Vec<String> {
-        let shards = self.shards.read().expect("shard catalog lock");
-        let mut names: Vec<String> = shards.keys().cloned().collect();
+        let mut names: Vec<String> = self.state().shards.keys().cloned().collect();
         names.sort();
         names
     }
 
     pub fn len(&self) -> usize {
-        self.shards.read().expect("shard catalog lock").len()
+        self.state().shards.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -267,19 +295,30 @@ impl ShardCatalog {
     }
 
     pub fn contains(&self, name: &str) -> bool {
-        self.shards
-            .read()
-            .expect("shard catalog lock")
-            .contains_key(name)
+        self.state().shards.contains_key(name)
     }
 
     /// The entry and file of a served shard.
     pub fn get(&self, name: &str) -> Option<(ShardEntry, PathBuf)> {
-        self.shards
-            .read()
-            .expect("shard catalog lock")
-            .get(name)
-            .cloned()
+        self.state().shards.get(name).cloned()
+    }
+}
+
+/// A trainer's data waits here for its shards: blocks (on the trainer's thread, never on
+/// the async runtime's) until the shard is in the catalog — verified, under its own name —
+/// or the fetch gave up.
+impl ShardSupply for ShardCatalog {
+    fn wait_for(&self, name: &str) -> Result<(), String> {
+        let mut state = self.state();
+        loop {
+            if state.shards.contains_key(name) {
+                return Ok(());
+            }
+            if let Some(why) = &state.given_up {
+                return Err(why.clone());
+            }
+            state = self.inner.changed.wait(state).expect("shard catalog lock");
+        }
     }
 }
 
@@ -976,6 +1015,44 @@ pub async fn fetch_range(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn entry(name: &str) -> ShardEntry {
+        ShardEntry {
+            name: name.into(),
+            split: gasloc_proto::Split::Train,
+            bytes: 1024,
+            tokens: 0,
+            sha256: "0".repeat(64),
+        }
+    }
+
+    #[test]
+    fn a_trainer_waiting_in_the_catalog_gets_its_shard_or_the_reason_it_will_not_come() {
+        let catalog = ShardCatalog::new();
+        catalog.insert(entry("a_train_000000.bin"), "a".into());
+        assert_eq!(catalog.wait_for("a_train_000000.bin"), Ok(()));
+
+        // A shard inserted while a thread waits for it wakes that thread.
+        let waiting = {
+            let catalog = catalog.clone();
+            std::thread::spawn(move || catalog.wait_for("a_train_000001.bin"))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        catalog.insert(entry("a_train_000001.bin"), "b".into());
+        assert_eq!(waiting.join().unwrap(), Ok(()));
+
+        // Giving up wakes every waiter with the first reason; held shards stay held.
+        let waiting = {
+            let catalog = catalog.clone();
+            std::thread::spawn(move || catalog.wait_for("a_train_000002.bin"))
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        catalog.give_up("no source has it".into());
+        catalog.give_up("the node is leaving".into());
+        assert_eq!(waiting.join().unwrap(), Err("no source has it".into()));
+        assert_eq!(catalog.wait_for("a_train_000000.bin"), Ok(()));
+        assert_eq!(catalog.len(), 2);
+    }
 
     #[test]
     fn shard_names_are_file_names_never_paths() {
