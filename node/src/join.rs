@@ -9,7 +9,7 @@
 
 use crate::device::{device_name, parse_device};
 use crate::run_data::RunData;
-use crate::volunteer::{Start, Volunteer, VolunteerOptions};
+use crate::volunteer::{RunDataSource, Start, Volunteer, VolunteerOptions};
 use anyhow::{bail, Context, Result};
 use gasloc_p2p::config::{NetworkConfig, Role};
 use gasloc_p2p::driver::{DriverOptions, RoundRecord};
@@ -253,11 +253,17 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
     let upload_limit = args
         .max_upload_rate
         .map(|r| Arc::new(UploadLimiter::new(r)));
-    let data = RunData::provide(&args, &manifest, &node, upload_limit.clone(), &status).await?;
-    let (mut work, started_from) =
-        make_trainer(&args, &manifest, me, device, data.dir.clone()).await?;
+    // Cancelled by SIGINT or SIGTERM once the rounds begin (the handler is installed then).
+    let stop = CancellationToken::new();
+    let mut data = RunData::provide(&args, &manifest, &node, upload_limit.clone(), &status).await?;
+    let (mut work, started_from, shards_ahead) =
+        make_trainer(&args, &manifest, me, device, data.source.clone()).await?;
     // The trainer checked --data against the pinned table before it opened it: serve it.
     data.serve_given_directory(&args, &manifest);
+    // Without --data: the training shards, in the order the trainer will read them; the
+    // first before the first round, the rest while it trains.
+    data.fetch_training_shards(&manifest, &shards_ahead, stop.clone(), &status)
+        .await?;
 
     let node = node.join_run(run_id, timing.clone()).await?;
     node.wait_for_topic_peers(args.min_peers, Duration::from_secs(60))
@@ -317,18 +323,8 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
     if !bans.is_empty() {
         println!("bans_loaded={} file={}", bans.len(), ban_file.display());
     }
-    let mut standing = PeerStanding::new(&manifest.gate, bans);
-    // A peer that served shard bytes that do not hash to the manifest's digest offended.
-    let new_bans: Vec<_> = data
-        .wrong_bytes_peers()
-        .filter_map(|peer| standing.offend(peer, now_round, "bad_shard"))
-        .collect();
-    if !new_bans.is_empty() {
-        BanFile::save(&ban_file, run_id, standing.bans())
-            .with_context(|| format!("cannot save the ban list {}", ban_file.display()))?;
-    }
+    let standing = PeerStanding::new(&manifest.gate, bans);
 
-    let stop = CancellationToken::new();
     spawn_signal_handler(stop.clone());
     let participation = Participation {
         work,
@@ -342,6 +338,9 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
             },
             standing,
             ban_file: Some(ban_file),
+            // A peer that served shard bytes that do not hash to the manifest's digest
+            // offended.
+            offences: data.offences(),
         },
         status,
         stop: stop.clone(),
@@ -377,16 +376,17 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
     Ok(())
 }
 
-/// The trainer `args` ask for, and whether it needs the swarm's current state (a fresh
-/// node joining a run under way) rather than its own (seed or checkpoint). The libtorch
+/// The trainer `args` ask for, whether it needs the swarm's current state (a fresh node
+/// joining a run under way) rather than its own (seed or checkpoint), and the training
+/// shards in the order it will read them (none for the synthetic trainer). The libtorch
 /// trainer loads its data, model and checkpoint on a blocking thread.
 async fn make_trainer(
     args: &JoinArgs,
     manifest: &RunManifest,
     peer: PeerId,
     device: Option<tch::Device>,
-    data: Option<PathBuf>,
-) -> Result<(Box<dyn RoundWork>, StartedFrom)> {
+    data: Option<RunDataSource>,
+) -> Result<(Box<dyn RoundWork>, StartedFrom, Vec<String>)> {
     let Some(device) = device else {
         let trainer = SyntheticTrainer::new(
             peer,
@@ -395,14 +395,12 @@ async fn make_trainer(
             args.inner_steps,
             Duration::from_millis(args.step_time_ms),
         );
-        return Ok((Box::new(trainer), StartedFrom::Nothing));
+        return Ok((Box::new(trainer), StartedFrom::Nothing, Vec::new()));
     };
     let options = VolunteerOptions {
         manifest: manifest.clone(),
         device,
         data: data.context("the libtorch trainer needs the run's data")?,
-        // Without --data, RunData fetched and verified every shard just now.
-        data_checked: args.data.is_none(),
         checkpoints: args.home.join("checkpoints"),
         checkpoint_every: args.checkpoint_every,
         keep_checkpoints: args.keep_checkpoints,
@@ -422,7 +420,8 @@ async fn make_trainer(
         Start::Fresh => StartedFrom::Seed,
         Start::Resumed { round, .. } => StartedFrom::Checkpoint { round },
     };
-    Ok((Box::new(volunteer), from))
+    let shards_ahead = volunteer.shards_ahead().to_vec();
+    Ok((Box::new(volunteer), from, shards_ahead))
 }
 
 /// What the trainer's state was made from before the first round.

@@ -243,6 +243,23 @@ impl Trainer {
 
     /// The parameters in name order: handles to the live tensors (writing into them, under
     /// `tch::no_grad`, changes the model).
+    /// The training shards' file names in the order this trainer's stream will first read
+    /// them from where it stands ([`BatchStream::shards_ahead`]).
+    pub fn shards_ahead(&self) -> Vec<String> {
+        let data = self.stream.dataset();
+        self.stream
+            .shards_ahead()
+            .into_iter()
+            .map(|i| {
+                let path = data.train_shard_path(i);
+                path.file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect()
+    }
+
     pub fn parameters(&self) -> Vec<Tensor> {
         self.params.iter().map(|(_, t)| t.shallow_clone()).collect()
     }
@@ -286,7 +303,7 @@ impl Trainer {
         let mut loss_sum = 0.0;
         let mut tokens = 0;
         for _ in 0..accum {
-            let batch = self.stream.next_batch();
+            let batch = self.stream.next_batch()?;
             tokens += batch.rows * batch.seq_len;
             let (inputs, targets) = self.to_device(&batch);
             let loss = self.model.loss(&inputs, &targets);

@@ -27,7 +27,7 @@ use crate::algo::outer::{mixed_pseudo_gradient, OuterOptimizer};
 use crate::checkpoint::{self, Checkpoint};
 use crate::trainer::{validation_set, Trainer};
 use anyhow::{anyhow, bail, Context, Result};
-use gasloc_data::shards::TokenDataset;
+use gasloc_data::shards::{ShardSupply, TokenDataset};
 use gasloc_data::stream::{Batch, WorkerSlot};
 use gasloc_p2p::network::unix_ms;
 use gasloc_p2p::tensors::{Tensor as WireTensor, TensorSet, TensorSpec};
@@ -49,17 +49,25 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 use tokio::sync::oneshot;
 
+/// Where the trainer's token shards (`gasloc-node data prepare`) come from.
+#[derive(Debug, Clone)]
+pub enum RunDataSource {
+    /// A directory the operator gave: checked against the manifest's pinned table (when it
+    /// has one), then read whole.
+    Given(PathBuf),
+    /// The run's pinned shards, arriving in this directory from a fetch under way that
+    /// verifies each against the table: the validation shards are waited for when the
+    /// trainer opens, each training shard the first time a batch needs it.
+    Arriving(PathBuf, Arc<dyn ShardSupply>),
+}
+
 /// Where and how a volunteer trains.
 #[derive(Debug, Clone)]
 pub struct VolunteerOptions {
     pub manifest: RunManifest,
     pub device: Device,
-    /// Token shards (`gasloc-node data prepare`), checked against the manifest's pinned
-    /// table (when it has one) before they are opened.
-    pub data: PathBuf,
-    /// This process has just fetched and verified `data` against the pinned table: it is
-    /// not hashed a second time.
-    pub data_checked: bool,
+    /// The run's token shards.
+    pub data: RunDataSource,
     /// Checkpoints go to `<checkpoints>/step_…` with a `latest` pointer.
     pub checkpoints: PathBuf,
     /// Save every this many rounds (and when leaving).
@@ -88,6 +96,7 @@ pub struct Volunteer {
     payload_table: Vec<TensorSpec>,
     state_table: Vec<TensorSpec>,
     start: Start,
+    shards_ahead: Vec<String>,
 }
 
 enum Request {
@@ -117,6 +126,7 @@ impl Volunteer {
                             trainer.payload_table(),
                             trainer.state_table(),
                             trainer.start,
+                            trainer.trainer.shards_ahead(),
                         )));
                         trainer.serve(inbox);
                     }
@@ -126,7 +136,7 @@ impl Volunteer {
                 }
             })
             .context("cannot start the trainer thread")?;
-        let (payload_table, state_table, start) = ready_rx
+        let (payload_table, state_table, start, shards_ahead) = ready_rx
             .recv()
             .map_err(|_| anyhow!("the trainer thread ended while starting"))??;
         Ok(Volunteer {
@@ -134,7 +144,14 @@ impl Volunteer {
             payload_table,
             state_table,
             start,
+            shards_ahead,
         })
+    }
+
+    /// The training shards' file names in the order this volunteer will first read them,
+    /// as it stood when it started: the order to fetch a run's data in.
+    pub fn shards_ahead(&self) -> &[String] {
+        &self.shards_ahead
     }
 
     pub fn start_kind(&self) -> Start {
@@ -219,9 +236,14 @@ struct RoundTrainer {
 impl RoundTrainer {
     fn open(options: VolunteerOptions) -> Result<RoundTrainer> {
         let manifest = &options.manifest;
-        let data = Arc::new(match options.data_checked {
-            true => TokenDataset::open(&options.data, manifest.data.tokenizer.vocab_size())?,
-            false => gasloc_data::pin::open_run_data(&options.data, &manifest.data)?,
+        let data = Arc::new(match &options.data {
+            RunDataSource::Given(dir) => gasloc_data::pin::open_run_data(dir, &manifest.data)?,
+            RunDataSource::Arriving(dir, supply) => TokenDataset::open_pinned(
+                dir,
+                &manifest.data.shards,
+                manifest.data.tokenizer.vocab_size(),
+                supply.clone(),
+            )?,
         });
         let slot = WorkerSlot { index: 0, count: 1 };
         let mut start = Start::Fresh;

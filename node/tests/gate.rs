@@ -8,7 +8,7 @@ use common::{byte_data, write_manifest, TINY_RUN};
 use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::WorkerSlot;
 use gasloc_node::trainer::Trainer;
-use gasloc_node::volunteer::{Volunteer, VolunteerOptions};
+use gasloc_node::volunteer::{RunDataSource, Volunteer, VolunteerOptions};
 use gasloc_p2p::network::unix_ms;
 use gasloc_p2p::tensors::TensorSet;
 use gasloc_p2p::work::{Candidate, RoundWork, TrainDeadline, TrainOrder};
@@ -32,8 +32,7 @@ fn volunteer(dir: &Path, name: &str, gate: &str) -> Volunteer {
     Volunteer::start(VolunteerOptions {
         manifest,
         device: tch::Device::Cpu,
-        data: byte_data(&home),
-        data_checked: false,
+        data: RunDataSource::Given(byte_data(&home)),
         checkpoints: home.join("checkpoints"),
         checkpoint_every: 0,
         keep_checkpoints: 1,

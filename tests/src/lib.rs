@@ -328,10 +328,17 @@ pub fn sample_text(bytes: usize) -> String {
     out
 }
 
-/// Byte-token shards of [`sample_text`] in `dir/data`, made by `gasloc-node data prepare`.
+/// Byte-token shards of [`sample_text`] in `dir/data`, made by `gasloc-node data prepare`:
+/// 20,000 validation tokens and one training shard of 280,000.
 pub fn prepare_byte_data(dir: &Path) -> PathBuf {
+    prepare_byte_data_with(dir, 300_000, &[])
+}
+
+/// [`prepare_byte_data`] of `bytes` bytes of text, with more `data prepare` flags (such
+/// as `--shard-tokens`).
+pub fn prepare_byte_data_with(dir: &Path, bytes: usize, extra: &[&str]) -> PathBuf {
     let text = dir.join("corpus.txt");
-    std::fs::write(&text, sample_text(300_000)).unwrap();
+    std::fs::write(&text, sample_text(bytes)).unwrap();
     let data = dir.join("data");
     let status = Command::new(built_binary("gasloc-node"))
         .args([
@@ -342,6 +349,7 @@ pub fn prepare_byte_data(dir: &Path) -> PathBuf {
             "--val-tokens",
             "20000",
         ])
+        .args(extra)
         .arg("--input")
         .arg(&text)
         .arg("--out")

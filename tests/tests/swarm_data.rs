@@ -10,16 +10,27 @@
 use gasloc_tests::http_mirror::{HttpMirror, MirrorMode};
 use gasloc_tests::{
     bootstrap_command, fetching_join_command, field, http_get, join_command, pin_data,
-    prepare_byte_data, read_report, spawn_bootstrap, start_bootstrap, tiny_run, Proc,
-    ADAPTIVE_ONE_PEER,
+    prepare_byte_data, prepare_byte_data_with, read_report, spawn_bootstrap, start_bootstrap,
+    tiny_run, Proc, ADAPTIVE_ONE_PEER,
 };
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-/// A pinned manifest of the tiny model over `prepare_byte_data`'s shards in `dir/data`.
+/// A pinned manifest of the tiny model over `prepare_byte_data`'s shards in `dir/data`: a
+/// validation shard and one training shard.
 fn pinned_run(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
-    let data = prepare_byte_data(dir);
+    pinned_run_of(dir, name, prepare_byte_data(dir), 2)
+}
+
+/// [`pinned_run`] with 280,000 training tokens in three shards.
+fn pinned_run_of_three_training_shards(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
+    let data = prepare_byte_data_with(dir, 300_000, &["--shard-tokens", "100000"]);
+    pinned_run_of(dir, name, data, 4)
+}
+
+/// A pinned manifest of the tiny model over the `shards` shards in `data`.
+fn pinned_run_of(dir: &Path, name: &str, data: PathBuf, shards: usize) -> (PathBuf, PathBuf) {
     let manifest = dir.join("run.toml");
     std::fs::write(
         &manifest,
@@ -27,13 +38,13 @@ fn pinned_run(dir: &Path, name: &str) -> (PathBuf, PathBuf) {
     )
     .unwrap();
     let out = pin_data(&data, &manifest, &[]);
-    assert!(out.starts_with("pinned 2 shards"), "{out}");
+    assert!(out.starts_with(&format!("pinned {shards} shards")), "{out}");
     let text = std::fs::read_to_string(&manifest).unwrap();
     assert!(
         text.starts_with("# a comment\n"),
         "comments are kept: {text}"
     );
-    assert_eq!(text.matches("[[data.shards]]").count(), 2, "{text}");
+    assert_eq!(text.matches("[[data.shards]]").count(), shards, "{text}");
     (manifest, data)
 }
 
@@ -193,9 +204,10 @@ fn nodes_without_data_fetch_the_pinned_shards_from_the_swarm_and_train() {
 fn a_peer_serving_wrong_bytes_is_caught_and_the_shard_comes_from_another() {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
-    let (manifest, data) = pinned_run(dir, "wrong-bytes-test");
+    let (manifest, data) = pinned_run_of_three_training_shards(dir, "wrong-bytes-test");
     // No bootstrap serves: the two sources are an honest node and one whose shards are
-    // changed on disk after its trainer checked them (it serves what is there).
+    // changed on disk after its trainer checked them (it serves what is there). The three
+    // training shards are fetched at once, at most two from one peer: the liar serves one.
     let (_boot_proc, boot) = bootstrap(dir, &manifest, None, &[]);
     let copy = |name: &str| {
         let to = dir.join(name);
@@ -207,10 +219,17 @@ fn a_peer_serving_wrong_bytes_is_caught_and_the_shard_comes_from_another() {
         to
     };
     let (honest_data, liar_data) = (copy("honest-data"), copy("liar-data"));
+    // The honest node serves slowly: a shard waiting for one of its two slots takes the
+    // liar, even if the liar was listed late.
     let mut honest = Proc::spawn(
         "honest",
         dir,
-        join_command(&boot, &dir.join("honest"), &honest_data, &[]),
+        join_command(
+            &boot,
+            &dir.join("honest"),
+            &honest_data,
+            &["--data-serve-rate", "100k"],
+        ),
     );
     let mut liar = Proc::spawn(
         "liar",
@@ -431,4 +450,66 @@ fn a_node_with_no_source_for_its_data_stops_with_an_error_naming_the_shard() {
         "the error names the shard: {stderr}"
     );
     assert!(!node.output().contains("round="), "{}", node.output());
+}
+
+#[test]
+fn a_joiner_trains_on_its_first_shard_while_the_rest_arrive() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    // Three training shards of about 400 kB, served at 30 kB/s: the two the joiner does not
+    // train on first take some 27 s to arrive, while its first shard lasts it about 780
+    // inner steps (8 rounds or more).
+    let data = prepare_byte_data_with(dir, 600_000, &["--shard-tokens", "200000"]);
+    let (manifest, data) = pinned_run_of(dir, "fetch-ahead-test", data, 4);
+    let (mut boot_proc, boot) =
+        bootstrap(dir, &manifest, Some(&data), &["--data-serve-rate", "30k"]);
+    boot_proc.wait_for_line("serving_shards=4 ", Duration::from_secs(30));
+    // A partner with the data that serves none of it, so the bootstrap is the one source.
+    let _partner = Proc::spawn(
+        "partner",
+        dir,
+        join_command(
+            &boot,
+            &dir.join("partner"),
+            &data,
+            &["--rounds", "8", "--no-serve-data"],
+        ),
+    );
+    let home = dir.join("joiner");
+    let mut joiner = Proc::spawn(
+        "joiner",
+        dir,
+        fetching_join_command(&boot, &home, &["--rounds", "8"]),
+    );
+
+    // It starts with the validation shard and its first training shard only.
+    let first = joiner.wait_for_line("data_first ", Duration::from_secs(60));
+    assert_eq!(field(&first, "shards_total"), Some("4"), "{first}");
+    let held: u64 = field(&first, "shards_held").unwrap().parse().unwrap();
+    assert!((2..4).contains(&held), "{first}");
+    let first_shard = field(&first, "shard").unwrap().to_string();
+    assert!(home.join("data").join(&first_shard).is_file());
+
+    // It trains while the others arrive, then holds them all, byte for byte.
+    joiner.wait_for_line("data_ready ", Duration::from_secs(120));
+    let out = joiner.output();
+    let ready_at = out.find("data_ready ").unwrap();
+    let rounds_before = out[..ready_at].matches("\nround=").count();
+    let ready = out[ready_at..].lines().next().unwrap();
+    println!(
+        "{}\nrounds before data_ready: {rounds_before}",
+        &out[..ready_at + ready.len()]
+    );
+    assert!(
+        rounds_before >= 1,
+        "a round before the last shard arrived:\n{out}"
+    );
+    assert!(holds_the_shards(&home, &data));
+    joiner.expect_success(Duration::from_secs(120));
+    let losses = val_losses(&home);
+    let best = losses.iter().cloned().fold(f64::INFINITY, f64::min);
+    assert!(
+        losses.len() >= 4 && best < losses[0] && losses.iter().all(|&l| l < 2.5),
+        "the joiner's validation loss falls: {losses:?}"
+    );
 }

@@ -5,7 +5,7 @@
 //! join.
 #![allow(dead_code)]
 
-use gasloc_node::volunteer::{Volunteer, VolunteerOptions};
+use gasloc_node::volunteer::{RunDataSource, Volunteer, VolunteerOptions};
 use gasloc_p2p::driver::DriverOptions;
 use gasloc_p2p::exchange::SendOptions;
 use gasloc_p2p::local_swarm::local_config;
@@ -257,8 +257,7 @@ pub async fn start_adversary(
     let inner = Volunteer::start(VolunteerOptions {
         manifest: manifest.clone(),
         device: tch::Device::Cpu,
-        data: data.to_path_buf(),
-        data_checked: false,
+        data: RunDataSource::Given(data.to_path_buf()),
         checkpoints: home.join("checkpoints"),
         checkpoint_every: 0,
         keep_checkpoints: 1,
@@ -280,6 +279,7 @@ pub async fn start_adversary(
             send: SendOptions::default(),
             standing: PeerStanding::new(&manifest.gate, Vec::new()),
             ban_file: None,
+            offences: Default::default(),
         },
         status: tokio::sync::watch::channel(Default::default()).0,
         stop: Default::default(),
