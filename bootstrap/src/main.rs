@@ -6,18 +6,20 @@
 //! `/gasloc/manifest/1`; with `--data` it serves the run's pinned shards on
 //! `/gasloc/shard/1`. Several bootstrap nodes can serve one run: give them the same
 //! manifest and the same `--genesis-unix-ms`. With `--status-addr` it serves its
-//! `/status` document and `/metrics` through `gasloc-status`.
+//! `/status` document and `/metrics` through `gasloc-status`. With `--swarm-key` it serves a
+//! private swarm (libp2p pnet, TCP only): only peers holding the same key connect.
 
 mod schedule_file;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use gasloc_data::pin::verify_directory;
-use gasloc_p2p::config::{NetworkConfig, Role};
+use gasloc_p2p::config::{default_listen, NetworkConfig, Role};
 use gasloc_p2p::manifest_service::manifest_response;
 use gasloc_p2p::network::{self, unix_ms, NetworkEvent};
 use gasloc_p2p::schedule::Timing;
 use gasloc_p2p::shard_service::{ShardCatalog, ShardServeConfig, ShardService};
+use gasloc_p2p::swarm_key::load_swarm_key;
 use gasloc_proto::topology::Topology;
 use gasloc_proto::RunManifest;
 use gasloc_status::{BootstrapMetrics, BootstrapStatus, StatusServer};
@@ -34,9 +36,14 @@ struct Args {
     /// The run manifest (TOML) this bootstrap node serves.
     #[arg(long)]
     run: PathBuf,
-    /// Addresses to listen on. Repeatable.
-    #[arg(long = "listen", default_values = ["/ip4/0.0.0.0/udp/4001/quic-v1", "/ip4/0.0.0.0/tcp/4001"])]
+    /// Addresses to listen on. Repeatable. Default: /ip4/0.0.0.0/udp/4001/quic-v1 and
+    /// /ip4/0.0.0.0/tcp/4001; with --swarm-key, the TCP one only.
+    #[arg(long = "listen")]
     listen: Vec<Multiaddr>,
+    /// A private swarm's pre-shared key (a go-ipfs/kubo `swarm.key` file, libp2p pnet): only
+    /// peers with the same key can connect at all. TCP only: QUIC addresses are refused.
+    #[arg(long)]
+    swarm_key: Option<PathBuf>,
     /// Identity key file (created with mode 0600 if missing); a fresh key when absent.
     #[arg(long)]
     identity: Option<PathBuf>,
@@ -200,8 +207,14 @@ async fn main() -> Result<()> {
         Some(path) => gasloc_p2p::identity::load_or_create(path)?,
         None => libp2p::identity::Keypair::generate_ed25519(),
     };
+    let swarm_key = args.swarm_key.as_deref().map(load_swarm_key).transpose()?;
     let mut config = NetworkConfig::new(Role::Bootstrap);
-    config.listen = args.listen.clone();
+    config.listen = if args.listen.is_empty() {
+        default_listen(4001, swarm_key.is_some())
+    } else {
+        args.listen.clone()
+    };
+    config.swarm_key = swarm_key;
     config.bootstrap = args.peers.clone();
     config.mdns = args.mdns;
     config.autonat_private_ips = args.autonat_private_ips;
@@ -227,6 +240,10 @@ async fn main() -> Result<()> {
         .collect();
     println!("run_id={run_id} name={}", manifest.name);
     println!("peer_id={me}");
+    if let Some(key) = &swarm_key {
+        // The fingerprint, never the key: every member's must match.
+        println!("swarm_key_fingerprint={}", key.fingerprint());
+    }
     let _shard_service = match &args.data {
         Some(dir) => {
             let catalog = data_to_serve(dir, &manifest).await?;

@@ -4,7 +4,10 @@
 //! keeps idle connections for 10 minutes and QUIC keeps connections alive with 10 s pings
 //! inside a 60 s idle timeout.
 
+use libp2p::multiaddr::Protocol;
+use libp2p::pnet::PreSharedKey;
 use libp2p::{Multiaddr, PeerId};
+use std::net::Ipv4Addr;
 use std::time::Duration;
 
 /// What a swarm is for: a volunteer node or an always-on bootstrap node.
@@ -14,6 +17,19 @@ pub enum Role {
     Node,
     /// Kademlia server, relay server, AutoNAT server, manifest server.
     Bootstrap,
+}
+
+/// The listen addresses when none are given: QUIC and TCP on all interfaces at `port` (0:
+/// any free one), or TCP alone in a private swarm (`private`: a swarm key protects TCP
+/// only, see `swarm_key`).
+pub fn default_listen(port: u16, private: bool) -> Vec<Multiaddr> {
+    let any = Multiaddr::empty().with(Protocol::Ip4(Ipv4Addr::UNSPECIFIED));
+    let tcp = any.clone().with(Protocol::Tcp(port));
+    if private {
+        return vec![tcp];
+    }
+    let quic = any.with(Protocol::Udp(port)).with(Protocol::QuicV1);
+    vec![quic, tcp]
 }
 
 /// Everything `build_swarm` and the event loop need to know.
@@ -65,6 +81,12 @@ pub struct NetworkConfig {
     /// A closed run's allow-list (`access.rs`): only these peers may connect. `None`: open
     /// (a node learns the list with the manifest and closes its access then).
     pub allowed_peers: Option<std::collections::HashSet<PeerId>>,
+    /// A private swarm's pre-shared key (`swarm_key.rs`, libp2p `pnet`): every connection
+    /// starts with a handshake under it, so only peers holding the same key connect at all.
+    /// TCP only: with a key the swarm has no QUIC transport, and `build_swarm` refuses
+    /// listen and bootstrap addresses that are not TCP. (Its `Debug` shows only the key's
+    /// fingerprint.)
+    pub swarm_key: Option<PreSharedKey>,
     /// Control messages accepted per peer within `control_rate_window`.
     pub control_rate_burst: u32,
     pub control_rate_window: Duration,
@@ -99,6 +121,7 @@ impl NetworkConfig {
             control_max_bytes: 4096,
             gossip_max_frame_bytes: 1 << 20,
             allowed_peers: None,
+            swarm_key: None,
             control_rate_burst: 64,
             control_rate_window: Duration::from_secs(10),
             relay_max_circuits: 64,
@@ -151,5 +174,22 @@ mod tests {
         c.gossip_max_frame_bytes = c.control_max_bytes;
         let e = c.validate().unwrap_err();
         assert!(e.contains("gossip frame cap 4096 bytes"), "{e}");
+    }
+
+    #[test]
+    fn the_default_listen_addresses_are_tcp_only_in_a_private_swarm() {
+        let open: Vec<String> = default_listen(4001, false)
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+        assert_eq!(
+            open,
+            ["/ip4/0.0.0.0/udp/4001/quic-v1", "/ip4/0.0.0.0/tcp/4001"]
+        );
+        let private: Vec<String> = default_listen(0, true)
+            .iter()
+            .map(|a| a.to_string())
+            .collect();
+        assert_eq!(private, ["/ip4/0.0.0.0/tcp/0"]);
     }
 }

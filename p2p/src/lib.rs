@@ -9,6 +9,8 @@
 //! - [`shard_service`], [`shard_fetch`]: the run's pinned token shards on `/gasloc/shard/1`
 //!   (served from a catalog of verified files) and fetched from peers and HTTP mirrors.
 //! - [`identity`]: the persisted node key.
+//! - [`access`], [`swarm_key`]: a closed run's allow-list, and a private swarm's pre-shared
+//!   key (libp2p `pnet`, TCP only).
 //! - [`upload_limit`]: the node's upload cap (`--max-upload-rate`).
 //! - [`round_machine`], [`links`]: a node's round lifecycle and its link estimates (sans-IO).
 //! - [`driver`], [`work`], [`synthetic`]: the async shell that runs the round machine on a
@@ -40,6 +42,7 @@ pub mod schedule;
 pub mod shard_fetch;
 pub mod shard_service;
 pub mod swarm;
+pub mod swarm_key;
 pub mod swarm_node;
 pub mod swarm_sim;
 pub mod synthetic;

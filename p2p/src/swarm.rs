@@ -1,15 +1,20 @@
-//! Swarm construction: transports (QUIC, TCP + noise + yamux, DNS, relay client) and the
-//! composed behaviour every gasloc process runs.
+//! Swarm construction: transports (QUIC, TCP + noise + yamux, DNS, relay client; or, in a
+//! private swarm with a pre-shared key, TCP + pnet + noise + yamux only) and the composed
+//! behaviour every gasloc process runs.
 
 use crate::config::{NetworkConfig, Role};
 use crate::manifest_service::{ManifestCodec, MANIFEST_PROTOCOL};
+use libp2p::core::muxing::StreamMuxerBox;
+use libp2p::core::transport::Boxed;
+use libp2p::core::upgrade;
 use libp2p::identity::Keypair;
+use libp2p::pnet::{PnetConfig, PreSharedKey};
 use libp2p::swarm::behaviour::toggle::Toggle;
 use libp2p::swarm::NetworkBehaviour;
 use libp2p::{
     allow_block_list, autonat, connection_limits, dcutr, gossipsub, identify, kad, mdns,
-    memory_connection_limits, noise, ping, relay, request_response, tcp, yamux, StreamProtocol,
-    Swarm,
+    memory_connection_limits, noise, ping, relay, request_response, tcp, yamux, PeerId,
+    StreamProtocol, Swarm, Transport,
 };
 use sha2::{Digest, Sha256};
 
@@ -43,35 +48,79 @@ pub struct GaslocBehaviour {
 }
 
 /// Builds the swarm for `config` with identity `keypair` (does not listen or dial yet).
+///
+/// Without a swarm key: QUIC, and TCP + noise + yamux. With one (`config.swarm_key`): TCP
+/// only, each connection starting with the `pnet` handshake under the key (see
+/// [`private_tcp`]); listen and bootstrap addresses that are not TCP are refused with a
+/// [`crate::swarm_key::NotTcp`]. Both get DNS and relay circuits (a circuit rides on a
+/// connection to the relay, so with a key only over a keyed one).
 pub fn build_swarm(
     keypair: Keypair,
     config: &NetworkConfig,
 ) -> anyhow::Result<Swarm<GaslocBehaviour>> {
     config.validate().map_err(anyhow::Error::msg)?;
-    let quic_idle_ms = u32::try_from(config.quic_max_idle_timeout.as_millis()).unwrap_or(u32::MAX);
-    let swarm = libp2p::SwarmBuilder::with_existing_identity(keypair)
-        .with_tokio()
-        .with_tcp(
-            tcp::Config::default().nodelay(true),
-            noise::Config::new,
-            yamux::Config::default,
-        )?
-        .with_quic_config(|mut q| {
-            q.max_idle_timeout = quic_idle_ms;
-            q.keep_alive_interval = config.quic_keep_alive_interval;
-            q.max_stream_data = config.quic_max_stream_data;
-            q.max_connection_data = config.quic_max_connection_data;
-            q
-        })
-        .with_dns()?
-        .with_relay_client(noise::Config::new, yamux::Config::default)?
-        .with_behaviour(|key, relay_client| {
-            build_behaviour(key, relay_client, config)
-                .map_err(Box::<dyn std::error::Error + Send + Sync>::from)
-        })?
-        .with_swarm_config(|c| c.with_idle_connection_timeout(config.idle_connection_timeout))
-        .build();
+    let behaviour = |key: &Keypair, relay_client: relay::client::Behaviour| {
+        build_behaviour(key, relay_client, config)
+            .map_err(Box::<dyn std::error::Error + Send + Sync>::from)
+    };
+    let swarm_config =
+        |c: libp2p::swarm::Config| c.with_idle_connection_timeout(config.idle_connection_timeout);
+    let builder = libp2p::SwarmBuilder::with_existing_identity(keypair).with_tokio();
+    let swarm = match config.swarm_key {
+        None => {
+            let quic_idle_ms =
+                u32::try_from(config.quic_max_idle_timeout.as_millis()).unwrap_or(u32::MAX);
+            builder
+                .with_tcp(tcp_config(), noise::Config::new, yamux::Config::default)?
+                .with_quic_config(|mut q| {
+                    q.max_idle_timeout = quic_idle_ms;
+                    q.keep_alive_interval = config.quic_keep_alive_interval;
+                    q.max_stream_data = config.quic_max_stream_data;
+                    q.max_connection_data = config.quic_max_connection_data;
+                    q
+                })
+                .with_dns()?
+                .with_relay_client(noise::Config::new, yamux::Config::default)?
+                .with_behaviour(behaviour)?
+                .with_swarm_config(swarm_config)
+                .build()
+        }
+        Some(psk) => {
+            crate::swarm_key::check_tcp_only(config)?;
+            builder
+                .with_other_transport(|key| {
+                    private_tcp(key, psk).map_err(Box::<dyn std::error::Error + Send + Sync>::from)
+                })?
+                .with_dns()?
+                .with_relay_client(noise::Config::new, yamux::Config::default)?
+                .with_behaviour(behaviour)?
+                .with_swarm_config(swarm_config)
+                .build()
+        }
+    };
     Ok(swarm)
+}
+
+fn tcp_config() -> tcp::Config {
+    tcp::Config::default().nodelay(true)
+}
+
+/// A private swarm's transport (rust-libp2p's `ipfs-private` example): TCP, then the `pnet`
+/// handshake under `psk` (nonces, then XSalsa20 over everything after), then noise and
+/// yamux as on the open TCP transport. A peer with another key, or none, fails the
+/// multistream-select that follows: it reads ciphertext.
+fn private_tcp(
+    key: &Keypair,
+    psk: PreSharedKey,
+) -> Result<Boxed<(PeerId, StreamMuxerBox)>, noise::Error> {
+    let noise = noise::Config::new(key)?;
+    Ok(tcp::tokio::Transport::new(tcp_config())
+        .and_then(move |socket, _| PnetConfig::new(psk).handshake(socket))
+        .upgrade(upgrade::Version::V1Lazy)
+        .authenticate(noise)
+        .multiplex(yamux::Config::default())
+        .map(|(peer, muxer), _| (peer, StreamMuxerBox::new(muxer)))
+        .boxed())
 }
 
 fn build_behaviour(

@@ -129,7 +129,17 @@ fn bootstrap_refuses_bad_flags_and_files_with_a_reason() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("run.toml"), MANIFEST).unwrap();
     std::fs::write(dir.path().join("bad.key"), b"not a key").unwrap();
-    let cases: [(&[&str], &str); 6] = [
+    std::fs::write(
+        dir.path().join("swarm.key"),
+        format!("/key/swarm/psk/1.0.0/\n/base16/\n{}\n", "ab".repeat(32)),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("short.key"),
+        "/key/swarm/psk/1.0.0/\n/base16/\nabcd\n",
+    )
+    .unwrap();
+    let cases: [(&[&str], &str); 10] = [
         (&["--run", "missing.toml"], "cannot read run manifest"),
         (
             &["--run", "run.toml", "--topology", "star"],
@@ -168,6 +178,29 @@ fn bootstrap_refuses_bad_flags_and_files_with_a_reason() {
         (
             &["--run", "run.toml", "--identity", "bad.key"],
             "identity file",
+        ),
+        (
+            &["--run", "run.toml", "--swarm-key", "missing.key"],
+            "swarm key missing.key: no such file",
+        ),
+        (
+            &["--run", "run.toml", "--swarm-key", "bad.key"],
+            "swarm key bad.key: the first line is \"not a key\"",
+        ),
+        (
+            &["--run", "run.toml", "--swarm-key", "short.key"],
+            "swarm key short.key: the third line must be 64 hex digits",
+        ),
+        (
+            &[
+                "--run",
+                "run.toml",
+                "--swarm-key",
+                "swarm.key",
+                "--listen",
+                "/ip4/127.0.0.1/udp/0/quic-v1",
+            ],
+            "listen address /ip4/127.0.0.1/udp/0/quic-v1 is not TCP",
         ),
     ];
     #[cfg(unix)]
