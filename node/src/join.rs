@@ -11,12 +11,13 @@ use crate::device::{device_name, parse_device};
 use crate::run_data::RunData;
 use crate::volunteer::{RunDataSource, Start, Volunteer, VolunteerOptions};
 use anyhow::{bail, Context, Result};
-use gasloc_p2p::config::{NetworkConfig, Role};
+use gasloc_p2p::config::{default_listen, NetworkConfig, Role};
 use gasloc_p2p::driver::{DriverOptions, RoundRecord};
 use gasloc_p2p::exchange::SendOptions;
 use gasloc_p2p::manifest_service::manifest_response;
 use gasloc_p2p::network::unix_ms;
 use gasloc_p2p::peer_standing::{BanFile, PeerStanding};
+use gasloc_p2p::swarm_key::load_swarm_key;
 use gasloc_p2p::swarm_node::{Participation, SwarmNode};
 use gasloc_p2p::synthetic::SyntheticTrainer;
 use gasloc_p2p::upload_limit::{parse_rate, UploadLimiter};
@@ -40,9 +41,14 @@ pub struct JoinArgs {
     /// the run. Repeatable.
     #[arg(long = "bootstrap", required = true)]
     pub bootstrap: Vec<Multiaddr>,
-    /// Addresses to listen on. Repeatable.
-    #[arg(long = "listen", default_values = ["/ip4/0.0.0.0/udp/0/quic-v1", "/ip4/0.0.0.0/tcp/0"])]
+    /// Addresses to listen on. Repeatable. Default: QUIC and TCP on all interfaces, on free
+    /// ports; with --swarm-key, TCP only.
+    #[arg(long = "listen")]
     pub listen: Vec<Multiaddr>,
+    /// A private swarm's pre-shared key (a go-ipfs/kubo `swarm.key` file, libp2p pnet): only
+    /// peers holding the same key can connect at all. TCP only: QUIC addresses are refused.
+    #[arg(long)]
+    pub swarm_key: Option<PathBuf>,
     /// This node's directory: its identity key (identity.key, unless --identity) and its
     /// checkpoints (checkpoints/). A restarted node resumes from here.
     #[arg(long, default_value = "gasloc-home")]
@@ -165,9 +171,17 @@ pub struct JoinArgs {
 
 impl JoinArgs {
     /// The network settings these arguments describe.
-    pub fn network_config(&self) -> NetworkConfig {
+    /// The network settings of these flags; fails on an unreadable or malformed
+    /// `--swarm-key` file, naming it.
+    pub fn network_config(&self) -> Result<NetworkConfig> {
         let mut c = NetworkConfig::new(Role::Node);
-        c.listen = self.listen.clone();
+        let swarm_key = self.swarm_key.as_deref().map(load_swarm_key).transpose()?;
+        c.listen = if self.listen.is_empty() {
+            default_listen(0, swarm_key.is_some())
+        } else {
+            self.listen.clone()
+        };
+        c.swarm_key = swarm_key;
         c.bootstrap = self.bootstrap.clone();
         c.mdns = self.mdns;
         c.relay_listen = self.relay;
@@ -180,7 +194,7 @@ impl JoinArgs {
         c.quic_max_connection_data = self.quic_connection_window;
         c.gossip_heartbeat = Duration::from_millis(200);
         c.discovery_interval = Duration::from_secs(5);
-        c
+        Ok(c)
     }
 }
 
@@ -215,7 +229,12 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
         .unwrap_or_else(|| args.home.join("identity.key"));
     let keypair = gasloc_p2p::identity::load_or_create(&identity)?;
     let mut registry = prometheus_client::registry::Registry::default();
-    let node = SwarmNode::start(keypair, args.network_config(), Some(&mut registry)).await?;
+    let network = args.network_config()?;
+    if let Some(key) = &network.swarm_key {
+        // The fingerprint, never the key: every member's must match.
+        println!("swarm_key_fingerprint={}", key.fingerprint());
+    }
+    let node = SwarmNode::start(keypair, network, Some(&mut registry)).await?;
     let bootstrap_peers = node.bootstrap_peers().to_vec();
     let me = node.peer_id();
     println!("peer_id={me}");
@@ -223,7 +242,18 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
         println!("listening={address}/p2p/{me}");
     }
 
-    let (manifest, timing) = node.fetch_manifest(&bootstrap_peers, args.run_id).await?;
+    let (manifest, timing) = node
+        .fetch_manifest(&bootstrap_peers, args.run_id)
+        .await
+        .map_err(|e| match &args.swarm_key {
+            // Under another key a dial fails with no reason given: say what to check.
+            Some(path) => e.context(format!(
+                "this node is in a private swarm (--swarm-key {}): a bootstrap with another \
+                 key, or none, cannot be reached",
+                path.display()
+            )),
+            None => e,
+        })?;
     node.close_run(&manifest, &bootstrap_peers).await?;
     let run_id = manifest.run_id();
     println!("run_id={run_id} name={}", manifest.name);

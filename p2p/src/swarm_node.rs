@@ -32,9 +32,12 @@ use libp2p::identity::Keypair;
 use libp2p::{Multiaddr, PeerId};
 use rand::seq::SliceRandom;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
+
+/// How long a node asks its bootstrap nodes for the run's manifest before it gives up.
+const MANIFEST_PATIENCE: Duration = Duration::from_secs(30);
 
 /// A started node: listening, connected to its bootstrap nodes, in no run yet.
 pub struct SwarmNode {
@@ -288,7 +291,13 @@ impl SwarmNode {
     ) -> anyhow::Result<(RunManifest, Timing)> {
         let client = &self.network.client;
         let mut last_error = String::from("no bootstrap node");
+        // 20 asks, for 30 s at most: a dial that hangs (a peer under another swarm key
+        // answers nothing sensible) takes the connection timeout, 10 s, each time.
+        let give_up = Instant::now() + MANIFEST_PATIENCE;
         for attempt in 0..20 {
+            if attempt > 0 && Instant::now() >= give_up {
+                break;
+            }
             for peer in bootstrap_peers {
                 match client.request_manifest(*peer).await {
                     Ok(response) => {

@@ -234,15 +234,22 @@ pub fn synthetic_join_command(
     payload_bytes: u64,
     rounds: u64,
 ) -> Command {
+    let listen = ["/ip4/127.0.0.1/udp/0/quic-v1", "/ip4/127.0.0.1/tcp/0"];
+    synthetic_join_command_on(bootstrap, home, payload_bytes, rounds, &listen)
+}
+
+/// [`synthetic_join_command`] listening on `listen` (loopback addresses) instead.
+pub fn synthetic_join_command_on(
+    bootstrap: &str,
+    home: &Path,
+    payload_bytes: u64,
+    rounds: u64,
+    listen: &[&str],
+) -> Command {
     let mut command = Command::new(built_binary("gasloc-node"));
     command
         .args(["join", "--bootstrap", bootstrap, "--synthetic"])
-        .args([
-            "--listen",
-            "/ip4/127.0.0.1/udp/0/quic-v1",
-            "--listen",
-            "/ip4/127.0.0.1/tcp/0",
-        ])
+        .args(listen.iter().flat_map(|a| ["--listen", a]))
         .args([
             "--payload-bytes",
             &payload_bytes.to_string(),
