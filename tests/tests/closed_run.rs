@@ -11,7 +11,7 @@
 
 use gasloc_tests::{
     built_binary, field, start_bootstrap, synthetic_join_command, synthetic_join_command_on,
-    synthetic_run, wait_for_file,
+    synthetic_run, wait_for_file, Proc,
 };
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -118,77 +118,74 @@ fn swarm_key(path: &Path, byte: u8) {
 #[test]
 fn a_private_swarm_trains_its_key_holders_and_refuses_a_node_without_the_key() {
     let dir = tempfile::tempdir().unwrap();
-    let home = |name: &str| dir.path().join(name);
-    let (key, other_key) = (home("swarm.key"), home("other.key"));
+    let dir = dir.path();
+    let (key, other_key) = (dir.join("swarm.key"), dir.join("other.key"));
     swarm_key(&key, 7);
     swarm_key(&other_key, 8);
-    let manifest = home("run.toml");
+    let manifest = dir.join("run.toml");
     std::fs::write(&manifest, synthetic_run("private-swarm")).unwrap();
-    let bootstrap_log = std::fs::File::create(home("bootstrap.out")).unwrap();
-    let mut bootstrap = Command::new(built_binary("gasloc-bootstrap"))
+    let mut command = Command::new(built_binary("gasloc-bootstrap"));
+    command
         .arg("--run")
         .arg(&manifest)
         .args(["--listen", "/ip4/127.0.0.1/tcp/0", "--swarm-key"])
         .arg(&key)
         .arg("--addr-file")
-        .arg(home("bootstrap.addrs"))
+        .arg(dir.join("bootstrap.addrs"))
         .args(["--genesis-delay-ms", "4000", "--round-period-ms", "1500"])
         .args(["--commit-window-ms", "500", "--reveal-window-ms", "500"])
-        .args(["--exchange-timeout-ms", "900"])
-        .stdout(bootstrap_log)
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let addrs = wait_for_file(&home("bootstrap.addrs"), Duration::from_secs(30));
+        .args(["--exchange-timeout-ms", "900"]);
+    let bootstrap = Proc::spawn("bootstrap", dir, command);
+    let addrs = wait_for_file(&dir.join("bootstrap.addrs"), Duration::from_secs(30));
     let tcp = addrs.lines().next().unwrap().to_string();
     assert!(tcp.contains("/tcp/") && !addrs.contains("quic"), "{addrs}");
 
     let rounds = 4;
     let spawn = |name: &str, key: Option<&Path>| {
-        let log = std::fs::File::create(home(&format!("{name}.err"))).unwrap();
-        let out = std::fs::File::create(home(&format!("{name}.out"))).unwrap();
-        std::fs::create_dir_all(home(name)).unwrap();
+        std::fs::create_dir_all(dir.join(name)).unwrap();
+        let tcp_only = ["/ip4/127.0.0.1/tcp/0"];
         let mut command =
-            synthetic_join_command_on(&tcp, &home(name), 65536, rounds, &["/ip4/127.0.0.1/tcp/0"]);
+            synthetic_join_command_on(&tcp, &dir.join(name), 65536, rounds, &tcp_only);
         if let Some(key) = key {
             command.arg("--swarm-key").arg(key);
         }
-        command.stdout(out).stderr(log).spawn().unwrap()
+        Proc::spawn(name, dir, command)
     };
     let mut nodes = [spawn("node1", Some(&key)), spawn("node2", Some(&key))];
     let mut strangers = [spawn("other-key", Some(&other_key)), spawn("no-key", None)];
 
-    for (stranger, name) in strangers.iter_mut().zip(["other-key", "no-key"]) {
-        let status = wait(stranger, Duration::from_secs(60));
-        assert!(!status.success(), "{name} joined a private swarm");
-        let err = std::fs::read_to_string(home(&format!("{name}.err"))).unwrap();
+    for stranger in &mut strangers {
+        let joined = stranger.wait_exit(Duration::from_secs(60));
+        assert!(!joined, "{} joined a private swarm", stranger.name);
+        let err = stranger.stderr_tail();
         assert!(
             err.contains("could not fetch the run manifest"),
-            "{name}: {err}"
+            "{}: {err}",
+            stranger.name
         );
     }
-    for (i, node) in nodes.iter_mut().enumerate() {
-        let status = wait(node, Duration::from_secs(90));
-        let err = std::fs::read_to_string(home(&format!("node{}.err", i + 1))).unwrap();
-        assert!(status.success(), "node{}: {err}", i + 1);
+    for node in &mut nodes {
+        node.expect_success(Duration::from_secs(90));
     }
-    let _ = bootstrap.kill();
-    let _ = bootstrap.wait();
-    let fingerprint = |name: &str| {
-        let out = std::fs::read_to_string(home(name)).unwrap();
+    let fingerprint = |proc: &Proc| {
+        let out = proc.output();
         out.lines()
             .find_map(|l| field(l, "swarm_key_fingerprint").map(str::to_string))
-            .unwrap_or_else(|| panic!("{name} prints its key's fingerprint: {out}"))
+            .unwrap_or_else(|| panic!("{} prints its key's fingerprint: {out}", proc.name))
     };
-    let expected = fingerprint("bootstrap.out");
-    for name in ["node1", "node2"] {
-        assert_eq!(fingerprint(&format!("{name}.out")), expected, "{name}");
-        let records = gasloc_tests::read_report(&home(name));
-        assert_eq!(records.len() as u64, rounds, "{name}");
+    let expected = fingerprint(&bootstrap);
+    for node in &nodes {
+        assert_eq!(fingerprint(node), expected, "{}", node.name);
+        let records = gasloc_tests::read_report(&dir.join(&node.name));
+        assert_eq!(records.len() as u64, rounds, "{}", node.name);
         let exchanged = records
             .iter()
             .filter(|r| !r["exchanged"].as_array().unwrap().is_empty())
             .count();
-        assert!(exchanged >= 2, "{name} exchanged in {exchanged} rounds");
+        assert!(
+            exchanged >= 2,
+            "{} exchanged in {exchanged} rounds",
+            node.name
+        );
     }
 }

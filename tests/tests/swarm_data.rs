@@ -479,7 +479,7 @@ fn a_joiner_trains_on_its_first_shard_while_the_rest_arrive() {
     let mut joiner = Proc::spawn(
         "joiner",
         dir,
-        fetching_join_command(&boot, &home, &["--rounds", "8"]),
+        fetching_join_command(&boot, &home, &["--rounds", "6"]),
     );
 
     // It starts with the validation shard and its first training shard only.
