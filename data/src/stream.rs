@@ -105,10 +105,7 @@ fn epoch_order(
     shard_first_window: &[usize],
     train_windows: usize,
 ) -> EpochOrder {
-    let mut rng = ChaCha8Rng::from_seed(order_key(seed));
-    rng.set_stream(epoch);
-    let mut shards: Vec<usize> = (0..shard_first_window.len()).collect();
-    shards.shuffle(&mut rng);
+    let (mut rng, shards) = shard_order(seed, epoch, shard_first_window.len());
     let mut windows = Vec::with_capacity(train_windows);
     for &shard in &shards {
         let (first, end) = shard_windows(shard_first_window, train_windows, shard);
@@ -117,6 +114,16 @@ fn epoch_order(
         windows[from..].shuffle(&mut rng);
     }
     EpochOrder { shards, windows }
+}
+
+/// The order of the `shards` training shards in `epoch` — the generator's first draws of the
+/// epoch — and the generator, which goes on to order each shard's windows.
+fn shard_order(seed: u64, epoch: u64, shards: usize) -> (ChaCha8Rng, Vec<usize>) {
+    let mut rng = ChaCha8Rng::from_seed(order_key(seed));
+    rng.set_stream(epoch);
+    let mut order: Vec<usize> = (0..shards).collect();
+    order.shuffle(&mut rng);
+    (rng, order)
 }
 
 /// The window numbers `first..end` of training shard `shard`.
@@ -327,7 +334,9 @@ impl BatchStream {
             }
             start = end;
         }
-        for shard in self.order_of(self.epoch + 1).shards {
+        // The next epoch's shard order only: its windows need not be shuffled for this.
+        let (_, next_epoch) = shard_order(self.seed, self.epoch + 1, self.shard_first_window.len());
+        for shard in next_epoch {
             list(shard);
         }
         for shard in 0..self.shard_first_window.len() {
