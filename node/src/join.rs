@@ -469,7 +469,8 @@ pub fn summary_line(r: &RoundRecord) -> String {
     let loss = |l: Option<f64>| l.map_or("-".into(), |l| format!("{l:.4}"));
     format!(
         "round={} members={} neighbours={} exchanged={} refused={} failed={} inner_steps={} \
-         train_loss={} val_loss={} bytes_sent={} bytes_received={} wait_s={:.2} round_s={:.2}",
+         train_loss={} val_loss={} bytes_sent={} bytes_received={} wait_s={:.2} round_s={:.2} \
+         compute_utilization={:.3}",
         r.round,
         r.members.len(),
         r.neighbours.len(),
@@ -483,6 +484,7 @@ pub fn summary_line(r: &RoundRecord) -> String {
         r.bytes_received,
         r.wait_s,
         r.round_s,
+        r.compute_utilization,
     )
 }
 

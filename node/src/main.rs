@@ -421,10 +421,11 @@ fn sim(args: SimArgs) -> Result<()> {
     let data = Arc::new(open_run_data(&args.data, &manifest.data)?);
     let mut simulation = Simulation::new(&manifest, data, options.clone())?;
     println!(
-        "run_id={} algorithm={} topology={} workers={} model_params={}",
+        "run_id={} algorithm={} topology={} overlap={} workers={} model_params={}",
         manifest.run_id(),
         manifest.outer.algorithm.name(),
         manifest.outer.topology.name(),
+        manifest.outer.overlap.name(),
         options.workers,
         simulation.parameter_count()
     );
@@ -432,13 +433,15 @@ fn sim(args: SimArgs) -> Result<()> {
     for _ in 0..options.rounds {
         let r = simulation.run_round()?;
         println!(
-            "round={} sim_time_s={:.3} train_loss={:.4} val_loss={} consensus={:.3e} mean_h={:.1}",
+            "round={} sim_time_s={:.3} train_loss={:.4} val_loss={} consensus={:.3e} mean_h={:.1} \
+             compute_utilization={:.3}",
             r.round,
             r.sim_time_s,
             r.mean_train_loss(),
             r.val_loss.map_or("-".into(), |v| format!("{v:.4}")),
             r.consensus,
-            r.mean_inner_steps()
+            r.mean_inner_steps(),
+            r.mean_compute_utilization()
         );
         records.push(r);
     }
@@ -451,10 +454,11 @@ fn sim(args: SimArgs) -> Result<()> {
     );
     report::write_all(&args.out, &manifest, &options, &records, &summary)?;
     println!(
-        "final_val_loss={:.4} sim_time_s={:.2} bytes_per_worker_round={:.0} out={}",
+        "final_val_loss={:.4} sim_time_s={:.2} bytes_per_worker_round={:.0} compute_utilization={:.3} out={}",
         summary.final_val_loss,
         summary.sim_time_s,
         summary.bytes_per_worker_round,
+        summary.compute_utilization,
         args.out.display()
     );
     Ok(())

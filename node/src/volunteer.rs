@@ -37,7 +37,7 @@ use gasloc_p2p::work::{
 };
 use gasloc_p2p::PeerId;
 use gasloc_proto::gate::{PayloadGate, PayloadStats, Refusal};
-use gasloc_proto::manifest::{Algorithm, InnerOptimizerKind, Payload};
+use gasloc_proto::manifest::{Algorithm, InnerOptimizerKind, Overlap, Payload};
 use gasloc_proto::pace::{InnerSteps, MovingAverage};
 use gasloc_proto::wire::DType;
 use gasloc_proto::RunManifest;
@@ -207,6 +207,12 @@ fn check_supported(m: &RunManifest) -> Result<()> {
     if m.outer.payload == Payload::Lordo || m.outer.inner_optimizer == InnerOptimizerKind::Lordo {
         bail!("[outer] payload/inner_optimizer = \"lordo\": join exchanges model-fp32 or model-bf16 payloads only (LoRDO runs in `gasloc-node sim`)");
     }
+    if m.outer.overlap != Overlap::None {
+        bail!(
+            "[outer] overlap = {:?}: join runs blocking rounds only for now (overlapped rounds run in `gasloc-node sim`)",
+            m.outer.overlap.name()
+        );
+    }
     Ok(())
 }
 
@@ -372,6 +378,7 @@ impl RoundTrainer {
         let rule = InnerSteps::from_manifest(&self.options.manifest.outer);
         let mut loss_sum = 0.0;
         let mut steps = 0u64;
+        let began = Instant::now();
         loop {
             let left = order.deadline.remaining(unix_ms()).as_secs_f64();
             if steps >= rule.for_deadline(steps, left, self.step_time.get()) {
@@ -387,6 +394,7 @@ impl RoundTrainer {
             payload: self.payload()?,
             inner_steps: steps,
             step_time_s: self.step_time.get().unwrap_or(0.0),
+            train_s: began.elapsed().as_secs_f64(),
             train_loss: (steps > 0).then(|| loss_sum / steps as f64),
         })
     }
@@ -698,5 +706,28 @@ fn tensor_spec(name: String, shape: &[i64], dtype: DType) -> TensorSpec {
         name,
         dtype,
         shape: shape.iter().map(|&d| d as u64).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manifest(outer: &str) -> RunManifest {
+        let text = format!(
+            "name = \"t\"\nseed = 1\n[model]\nsize = \"tiny\"\n[data]\ntokenizer = \"byte\"\nseq_len = 8\nmicro_batch = 1\n[optimizer]\ndecay_steps = 10\n[outer]\n{outer}\n"
+        );
+        RunManifest::parse(&text, "t").unwrap()
+    }
+
+    #[test]
+    fn join_refuses_what_it_does_not_run_naming_the_key() {
+        assert!(check_supported(&manifest("topology = \"two-peer\"")).is_ok());
+        assert!(check_supported(&manifest("algorithm = \"diloco\"")).is_ok());
+        let refused = |outer: &str| check_supported(&manifest(outer)).unwrap_err().to_string();
+        assert!(refused("algorithm = \"dadam\"").contains("algorithm"));
+        assert!(refused("inner_optimizer = \"lordo\"").contains("lordo"));
+        let e = refused("overlap = \"delayed\"");
+        assert!(e.contains("overlap = \"delayed\""), "{e}");
     }
 }

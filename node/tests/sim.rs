@@ -41,7 +41,7 @@ fn simulate(m: &RunManifest, o: SimOptions) -> (Vec<SwarmRound>, Vec<Vec<Tensor>
     let data = Arc::new(TokenDataset::open(&byte_data(dir.path()), 256).unwrap());
     let mut sim = Simulation::new(m, data, o.clone()).unwrap();
     let records = (0..o.rounds).map(|_| sim.run_round().unwrap()).collect();
-    (records, sim.anchors())
+    (records, sim.anchors().unwrap())
 }
 
 fn same_bits(a: &[Vec<Tensor>], b: &[Vec<Tensor>]) -> bool {
@@ -177,4 +177,109 @@ fn bad_options_are_refused_with_the_flag_named() {
         .unwrap()
         .to_string();
     assert!(e.contains("--workers"), "{e}");
+}
+
+/// An exchange that takes no time: no bandwidth limit, no latency.
+fn instantaneous(workers: usize, rounds: u64) -> SimOptions {
+    SimOptions {
+        bandwidth_mbps: f64::INFINITY,
+        latency_ms: 0.0,
+        ..options(workers, rounds)
+    }
+}
+
+#[test]
+fn delayed_overlap_with_an_instantaneous_exchange_is_the_blocking_run_bit_for_bit() {
+    for outer in [
+        "topology = \"one-peer\"\ninner_steps = 3",
+        "topology = \"two-peer\"\ninner_steps = 3",
+        "algorithm = \"diloco\"\ninner_steps = 3",
+    ] {
+        let (blocking, anchors_b) = simulate(&manifest(outer), instantaneous(4, 4));
+        let (delayed, anchors_d) = simulate(
+            &manifest(&format!("{outer}\noverlap = \"delayed\"")),
+            instantaneous(4, 4),
+        );
+        assert!(same_bits(&anchors_b, &anchors_d), "{outer}: anchors differ");
+        for (b, d) in blocking.iter().zip(&delayed) {
+            assert_eq!(b.val_loss, d.val_loss, "{outer}: round {}", b.round);
+            assert_eq!(b.consensus, d.consensus, "{outer}: round {}", b.round);
+            assert_eq!(
+                b.mean_train_loss(),
+                d.mean_train_loss(),
+                "{outer}: round {}",
+                b.round
+            );
+        }
+    }
+}
+
+#[test]
+fn eager_overlap_without_a_neighbour_is_the_blocking_run_bit_for_bit() {
+    let outer = "topology = \"one-peer\"\ninner_steps = 3";
+    let (blocking, anchors_b) = simulate(&manifest(outer), options(1, 3));
+    let (eager, anchors_e) = simulate(
+        &manifest(&format!("{outer}\noverlap = \"eager\"")),
+        options(1, 3),
+    );
+    assert!(same_bits(&anchors_b, &anchors_e));
+    for (b, e) in blocking.iter().zip(&eager) {
+        assert_eq!(b.val_loss, e.val_loss, "round {}", b.round);
+    }
+}
+
+#[test]
+fn overlapped_rounds_train_through_a_slow_exchange_and_still_learn() {
+    // 20 ms steps, H = 6: 120 ms of compute; the tiny model's fp32 payload (~0.5 MB) to two
+    // neighbours over 140 Mbit/s with 20 ms latency takes ~80 ms more, which a blocking round
+    // spends idle and an overlapped one hides behind the next round's steps.
+    let slow = SimOptions {
+        bandwidth_mbps: 140.0,
+        latency_ms: 20.0,
+        ..options(4, 6)
+    };
+    let outer = "topology = \"two-peer\"\ninner_steps = 6\nmomentum = 0.5";
+    let (blocking, _) = simulate(&manifest(outer), slow.clone());
+    let busy = |r: &[SwarmRound]| {
+        r.iter().map(|r| r.mean_compute_utilization()).sum::<f64>() / r.len() as f64
+    };
+    let blocking_busy = busy(&blocking);
+    let vals = |r: &[SwarmRound]| r.iter().map(|r| r.val_loss.unwrap()).collect::<Vec<_>>();
+    println!("none: {:?}", vals(&blocking));
+    assert!(
+        blocking_busy < 0.7,
+        "the exchange should cost a blocking round time: {blocking_busy}"
+    );
+    for mode in ["delayed", "eager"] {
+        let (overlapped, anchors) = simulate(
+            &manifest(&format!("{outer}\noverlap = \"{mode}\"")),
+            slow.clone(),
+        );
+        let overlapped_busy = busy(&overlapped);
+        println!(
+            "{mode}: {:?} utilisation {overlapped_busy:.3} (none {blocking_busy:.3})",
+            vals(&overlapped)
+        );
+        assert!(
+            overlapped_busy > 0.97 && overlapped_busy > blocking_busy,
+            "{mode}: utilisation {overlapped_busy} (blocking {blocking_busy})"
+        );
+        // Same inner steps in less simulated time.
+        let last = |r: &[SwarmRound]| r.last().unwrap().sim_time_s;
+        assert!(last(&overlapped) < last(&blocking), "{mode}");
+        let first = overlapped[0].val_loss.unwrap();
+        let end = overlapped.last().unwrap().val_loss.unwrap();
+        assert!(end < first, "{mode}: validation loss {first} → {end}");
+        let best = |r: &[SwarmRound]| vals(r).into_iter().fold(f64::INFINITY, f64::min);
+        assert!(
+            best(&overlapped) < 1.05 * best(&blocking),
+            "{mode}: best validation loss {} against blocking {}",
+            best(&overlapped),
+            best(&blocking)
+        );
+        assert!(anchors
+            .iter()
+            .flatten()
+            .all(|t| t.isfinite().all().int64_value(&[]) == 1));
+    }
 }

@@ -292,6 +292,7 @@ impl RoundDriver {
                                 round: machine.phase().map_or(0, |(round, _)| round),
                                 inner_steps: trained.inner_steps,
                                 step_time_s: trained.step_time_s,
+                                train_s: trained.train_s,
                                 train_loss: trained.train_loss,
                             }
                         }

@@ -73,6 +73,8 @@ pub enum Input {
         round: u64,
         inner_steps: u64,
         step_time_s: f64,
+        /// Seconds the inner steps took (the trainer's busy time).
+        train_s: f64,
         train_loss: Option<f64>,
     },
     /// The round's exchange is over: one outcome per neighbour (a neighbour without one
@@ -174,6 +176,7 @@ struct InFlight {
     predicted_exchange_s: f64,
     inner_steps: u64,
     step_time_s: f64,
+    train_s: f64,
     train_loss: Option<f64>,
     ready_at_ms: Option<u64>,
     exchange_started_ms: Option<u64>,
@@ -206,6 +209,9 @@ pub struct RoundMachine {
     /// What this node announces beside its commits.
     last_inner_steps: u64,
     last_step_time_s: f64,
+    /// The last round this node finished and when (Unix ms): the next round's wall time
+    /// counts from there (`compute_utilization`).
+    last_finished: Option<(u64, u64)>,
 }
 
 impl RoundMachine {
@@ -237,6 +243,7 @@ impl RoundMachine {
             stopping: false,
             last_inner_steps: 0,
             last_step_time_s: 0.0,
+            last_finished: None,
         }
     }
 
@@ -291,8 +298,12 @@ impl RoundMachine {
                 round,
                 inner_steps,
                 step_time_s,
+                train_s,
                 train_loss,
-            } => self.on_trained(round, inner_steps, step_time_s, train_loss, now, &mut out),
+            } => {
+                let trained = (inner_steps, step_time_s, train_s, train_loss);
+                self.on_trained(round, trained, now, &mut out)
+            }
             Input::Exchanged { round, outcomes } => {
                 self.on_exchanged(round, outcomes, now, &mut out)
             }
@@ -354,20 +365,21 @@ impl RoundMachine {
         a
     }
 
+    /// `trained`: inner steps, step time, busy seconds, train loss.
     fn on_trained(
         &mut self,
         round: u64,
-        inner_steps: u64,
-        step_time_s: f64,
-        train_loss: Option<f64>,
+        trained: (u64, f64, f64, Option<f64>),
         now: u64,
         out: &mut Vec<Output>,
     ) {
+        let (inner_steps, step_time_s, train_s, train_loss) = trained;
         let Some(a) = Self::in_flight(&mut self.active, round, Phase::Training) else {
             return;
         };
         a.inner_steps = inner_steps;
         a.step_time_s = step_time_s;
+        a.train_s = train_s;
         a.train_loss = train_loss;
         a.ready_at_ms = Some(now);
         a.phase = Phase::Agreeing;
@@ -452,11 +464,20 @@ impl RoundMachine {
         let finish_started = a.exchange_done_ms.unwrap_or(now);
         self.finish_time
             .observe(now.saturating_sub(finish_started) as f64 / 1000.0);
+        // The round's wall time: from the end of the round before, when this node finished
+        // it (the idle time between two rounds is the trainer's too), else from its start.
+        let wall_from = match self.last_finished {
+            Some((r, at)) if r + 1 == round => at.min(a.started_ms),
+            _ => a.started_ms,
+        };
         let mut record = self.make_record(a, val_loss, now);
+        record.wall_s = now.saturating_sub(wall_from) as f64 / 1000.0;
+        record.compute_utilization = compute_utilization(record.train_s, record.wall_s);
         record.control_messages = self.control_counts.remove(&round).unwrap_or(0);
         self.control_counts.retain(|&r, _| r > round);
         self.finished += 1;
         self.next_round = round + 1;
+        self.last_finished = Some((round, now));
         out.push(Output::Record(Box::new(record)));
     }
 
@@ -571,6 +592,7 @@ impl RoundMachine {
                 predicted_exchange_s: predicted,
                 inner_steps: 0,
                 step_time_s: 0.0,
+                train_s: 0.0,
                 train_loss: None,
                 ready_at_ms: None,
                 exchange_started_ms: None,
@@ -722,6 +744,9 @@ impl RoundMachine {
             gate_s: 0.0,
             finish_s: seconds(a.exchange_done_ms, Some(now)),
             round_s: seconds(Some(a.started_ms), Some(now)),
+            train_s: a.train_s,
+            wall_s: 0.0,              // set by on_finished
+            compute_utilization: 0.0, // set by on_finished
             train_loss: a.train_loss,
             val_loss,
             decided_after_ms: a.decided_at_ms.saturating_sub(round_start),
@@ -738,6 +763,15 @@ impl RoundMachine {
             reachability: Default::default(),
             hole_punches: 0,
         }
+    }
+}
+
+/// The trainer's busy seconds over the wall seconds, in [0, 1] (1 for no wall time).
+pub fn compute_utilization(train_s: f64, wall_s: f64) -> f64 {
+    if wall_s > 0.0 {
+        (train_s / wall_s).clamp(0.0, 1.0)
+    } else {
+        1.0
     }
 }
 
@@ -860,6 +894,7 @@ mod tests {
             round,
             inner_steps: 10,
             step_time_s: 0.1,
+            train_s: 4.24,
             train_loss: Some(2.0),
         }
     }
@@ -966,6 +1001,9 @@ mod tests {
         assert_eq!(record.inner_steps, 10);
         assert_eq!((record.exchange_s, record.wait_s), (0.1, 0.1));
         assert_eq!((record.finish_s, record.round_s), (0.2, 5.3));
+        // The first round's wall time counts from its start: 4.24 s busy of 5.3.
+        assert_eq!((record.train_s, record.wall_s), (4.24, 5.3));
+        assert!((record.compute_utilization - 0.8).abs() < 1e-12);
         assert_eq!(record.decided_after_ms, 1000);
         assert_eq!(record.val_loss, Some(1.5));
         assert_eq!(record.mixing[0], (peer(0).to_string(), 0.5));
@@ -1156,6 +1194,33 @@ mod tests {
         // The other node saw node 0 withdraw: it is alone in round 1.
         let other = &s.machines[1];
         assert_eq!(other.phase(), Some((0, Phase::Training)));
+    }
+
+    #[test]
+    fn a_rounds_wall_time_counts_from_the_end_of_the_round_before() {
+        let mut s = Swarm::new(1, Topology::OnePeer, 10, start(0) - PERIOD);
+        let mut records = Vec::new();
+        for round in 0..2 {
+            s.tick(start(round) - 1000);
+            s.tick(start(round));
+            // Alone: no exchange, straight to the outer step.
+            let out = s.input(0, trained(round), start(round) + 5000);
+            assert!(finish_of(&out).is_some(), "round {round}");
+            let out = s.input(
+                0,
+                Input::Finished {
+                    round,
+                    val_loss: None,
+                },
+                start(round) + 5300,
+            );
+            records.push(record_of(&out).unwrap());
+        }
+        assert_eq!(records[0].wall_s, 5.3);
+        // Round 1 waited for its start: the idle time between the rounds is counted.
+        assert_eq!(records[1].wall_s, PERIOD as f64 / 1000.0);
+        let expected = 4.24 / (PERIOD as f64 / 1000.0);
+        assert!((records[1].compute_utilization - expected).abs() < 1e-12);
     }
 
     #[test]

@@ -439,6 +439,7 @@ impl Sim {
                             round,
                             inner_steps: steps,
                             step_time_s: self.config.step_time_s,
+                            train_s: steps as f64 * self.config.step_time_s,
                             train_loss: None,
                         },
                     )

@@ -85,11 +85,13 @@ impl RoundWork for SyntheticTrainer {
     fn train(&mut self, order: TrainOrder) -> WorkFuture<Trained> {
         let this = self.clone();
         Box::pin(async move {
+            let began = std::time::Instant::now();
             let payload = this.train_round(order.round).await;
             Ok(Trained {
                 payload,
                 inner_steps: this.inner_steps as u64,
                 step_time_s: this.step_time.as_secs_f64(),
+                train_s: began.elapsed().as_secs_f64(),
                 train_loss: None,
             })
         })

@@ -65,6 +65,9 @@ pub struct Trained {
     pub inner_steps: u64,
     /// Moving average of one inner step, seconds.
     pub step_time_s: f64,
+    /// Seconds the round's inner steps took: the trainer's busy time, which
+    /// `compute_utilization` counts.
+    pub train_s: f64,
     /// Mean training loss over the round's steps (None for the synthetic trainer).
     pub train_loss: Option<f64>,
 }

@@ -460,6 +460,37 @@ pub enum Payload {
     Lordo,
 }
 
+/// How a round's exchange overlaps the next round's inner steps (ALGORITHMS.md, `docs/algorithms.md`
+/// "Overlapped rounds").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Overlap {
+    /// Blocking rounds: train, exchange, outer step, then the next round's inner steps.
+    #[default]
+    None,
+    /// The next round's inner steps start as soon as the payload is handed to the exchange;
+    /// when the exchange ends, the round's outer step is applied to the anchor and the local
+    /// progress made since is carried onto the new anchor.
+    Delayed,
+    /// The worker's own fresh pseudo-gradient term is applied at once, its neighbours'
+    /// terms one round late (arXiv 2502.12996, adapted to gossip).
+    Eager,
+}
+
+impl Overlap {
+    pub fn is_none(&self) -> bool {
+        *self == Overlap::None
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Overlap::None => "none",
+            Overlap::Delayed => "delayed",
+            Overlap::Eager => "eager",
+        }
+    }
+}
+
 /// The optimizer of the inner steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -489,6 +520,10 @@ pub struct OuterConfig {
     pub nesterov: bool,
     pub payload: Payload,
     pub inner_optimizer: InnerOptimizerKind,
+    /// Whether the exchange overlaps the next round's inner steps. Left out of the canonical
+    /// bytes when `none`, so the run ids of blocking runs do not depend on it.
+    #[serde(default, skip_serializing_if = "Overlap::is_none")]
+    pub overlap: Overlap,
 }
 
 /// `[outer]` as written: every key optional, defaults depend on the algorithm.
@@ -506,6 +541,7 @@ struct OuterSection {
     nesterov: Option<bool>,
     payload: Option<Payload>,
     inner_optimizer: Option<InnerOptimizerKind>,
+    overlap: Option<Overlap>,
 }
 
 /// `[lordo]`: the low-rank inner optimizer and payload (used when selected in `[outer]`).
@@ -597,6 +633,7 @@ fn resolve_outer(s: &OuterSection) -> Result<OuterConfig, (&'static str, String)
         nesterov: s.nesterov.unwrap_or(true),
         payload: s.payload.unwrap_or(Payload::ModelFp32),
         inner_optimizer: s.inner_optimizer.unwrap_or(InnerOptimizerKind::Adamw),
+        overlap: s.overlap.unwrap_or_default(),
     })
 }
 
@@ -1009,6 +1046,24 @@ impl RunManifest {
                 "= \"lordo\" does not apply to algorithm \"ddp\" (it averages gradients)".into(),
             ));
         }
+        if u.algorithm == Algorithm::Ddp && u.overlap != Overlap::None {
+            return Err((
+                "outer.overlap",
+                format!(
+                    "= {:?} does not apply to algorithm \"ddp\" (it averages gradients every step)",
+                    u.overlap.name()
+                ),
+            ));
+        }
+        if u.payload == Payload::Lordo && u.overlap != Overlap::None {
+            return Err((
+                "outer.overlap",
+                format!(
+                    "= {:?} is not supported with payload \"lordo\" (its basis refresh needs the round's mix before the next inner step)",
+                    u.overlap.name()
+                ),
+            ));
+        }
         if l.rank == 0 {
             return Err(("lordo.rank", "must be at least 1".into()));
         }
@@ -1201,6 +1256,15 @@ decay_steps = 100
             ("lr = -1.0", "outer.lr"),
             ("payload = \"lordo\"", "outer.payload"),
             ("inner_step = 3", "inner_step"),
+            ("overlap = \"always\"", "overlap"),
+            (
+                "algorithm = \"ddp\"\noverlap = \"delayed\"",
+                "outer.overlap",
+            ),
+            (
+                "inner_optimizer = \"lordo\"\npayload = \"lordo\"\noverlap = \"eager\"",
+                "outer.overlap",
+            ),
         ];
         for (outer, key) in cases {
             let e = with(outer);
@@ -1215,6 +1279,36 @@ decay_steps = 100
         assert!(lordo("omega = 0.0").contains("lordo.omega"));
         assert!(lordo("omega = 1.5").contains("lordo.omega"));
         assert!(lordo("full_sync_every = 0").contains("lordo.full_sync_every"));
+    }
+
+    #[test]
+    fn overlap_is_part_of_the_run_id_only_when_the_rounds_overlap() {
+        let plain = RunManifest::parse(TINY, "x").unwrap();
+        assert_eq!(plain.outer.overlap, Overlap::None);
+        let none =
+            RunManifest::parse(&format!("{TINY}[outer]\noverlap = \"none\"\n"), "x").unwrap();
+        assert_eq!(
+            none.run_id(),
+            plain.run_id(),
+            "none spelled out is the default"
+        );
+        assert!(!String::from_utf8(plain.canonical_bytes())
+            .unwrap()
+            .contains("overlap"));
+        let mut ids = vec![plain.run_id()];
+        for mode in ["delayed", "eager"] {
+            let m =
+                RunManifest::parse(&format!("{TINY}[outer]\noverlap = \"{mode}\"\n"), "x").unwrap();
+            assert_eq!(m.outer.overlap.name(), mode);
+            let canonical = String::from_utf8(m.canonical_bytes()).unwrap();
+            assert!(
+                canonical.contains(&format!("overlap = \"{mode}\"")),
+                "{canonical}"
+            );
+            ids.push(m.run_id());
+        }
+        ids.dedup();
+        assert_eq!(ids.len(), 3, "each mode is another run");
     }
 
     #[test]

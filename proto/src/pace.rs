@@ -71,6 +71,15 @@ pub fn standard_round_budget(
     target as f64 * step_time_s + standard_exchange_s - exchange_s
 }
 
+/// The round budget when rounds overlap (`[outer] overlap`): the exchange runs beside the
+/// next round's inner steps, so it costs no step. The round is `T_round = max(H · t_step, C°_i)`
+/// (when the exchange at the standard bandwidth is longer than H steps, the round stretches to
+/// it and the worker trains through it rather than wait) and all of it is inner steps. A worker
+/// whose own exchange `C_i` is longer still waits for it before it hands off again.
+pub fn overlapped_round_budget(target: u64, step_time_s: f64, standard_exchange_s: f64) -> f64 {
+    (target as f64 * step_time_s).max(standard_exchange_s)
+}
+
 /// An exponential moving average: `avg ← (1 − w)·avg + w·sample`, the first sample taken as
 /// is. Every moving average of the node and the simulator (inner-step time, outer-step time,
 /// seconds per byte with a peer) uses [`MovingAverage::WEIGHT`].

@@ -59,6 +59,12 @@ pub fn format_status(s: &NodeStatus) -> String {
     );
     let _ = writeln!(
         out,
+        "compute   utilisation {} of recent rounds",
+        s.compute_utilization
+            .map_or("—".to_string(), |u| format!("{:.0}%", 100.0 * u))
+    );
+    let _ = writeln!(
+        out,
         "traffic   sent {:.1} MiB   received {:.1} MiB   waiting {:.1}s ({:.0}% of recent rounds)",
         s.bytes_sent as f64 / 1048576.0,
         s.bytes_received as f64 / 1048576.0,

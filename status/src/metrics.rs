@@ -31,6 +31,7 @@ pub struct NodeMetrics {
     round: Gauge,
     inner_steps: Gauge,
     step_time: FloatGauge,
+    compute_utilization: FloatGauge,
     train_loss: FloatGauge,
     val_loss: FloatGauge,
     neighbours: Gauge,
@@ -85,6 +86,11 @@ impl NodeMetrics {
             m.goodput.clone(),
         );
         r.register(
+            "compute_utilization",
+            "Trainer busy time over wall time in the recent rounds (NaN before the first)",
+            m.compute_utilization.clone(),
+        );
+        r.register(
             "wait_milliseconds",
             "Time spent waiting for neighbours",
             m.wait_ms.clone(),
@@ -127,6 +133,8 @@ impl NodeMetrics {
         self.round.set(s.round as i64);
         self.inner_steps.set(s.inner_steps as i64);
         self.step_time.set(s.step_time_s);
+        self.compute_utilization
+            .set(s.compute_utilization.unwrap_or(f64::NAN));
         self.train_loss.set(s.train_loss.unwrap_or(f64::NAN));
         self.val_loss.set(s.val_loss.unwrap_or(f64::NAN));
         self.neighbours.set(s.neighbours.len() as i64);

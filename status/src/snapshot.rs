@@ -13,6 +13,9 @@ use std::fmt;
 /// Rounds kept in [`NodeStatus::history`].
 pub const HISTORY_ROUNDS: usize = 200;
 
+/// The recent rounds [`NodeStatus::compute_utilization`] counts.
+pub const UTILIZATION_ROUNDS: usize = 10;
+
 /// Where the node is in its round.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -132,6 +135,13 @@ pub struct RoundRecord {
     pub finish_s: f64,
     /// Seconds from the round start until its outer step was done.
     pub round_s: f64,
+    /// Seconds the trainer spent on the round's inner steps.
+    pub train_s: f64,
+    /// The round's wall time: from the end of the round before (when this node finished it)
+    /// or the round's start, to its outer step done.
+    pub wall_s: f64,
+    /// `train_s / wall_s`: the share of the round the trainer computed.
+    pub compute_utilization: f64,
     pub train_loss: Option<f64>,
     pub val_loss: Option<f64>,
     /// Milliseconds from the round start until the round was decided.
@@ -223,6 +233,9 @@ pub struct NodeStatus {
     pub scores: BTreeMap<String, f64>,
     /// The run's pinned shards on this node: held, fetched and served.
     pub data: DataStatus,
+    /// The trainer's busy time over wall time in the last [`UTILIZATION_ROUNDS`] rounds
+    /// (None before the first round ends).
+    pub compute_utilization: Option<f64>,
 }
 
 /// The run's data on one node (all zero for a run that does not pin its shards).
@@ -309,6 +322,13 @@ impl NodeStatus {
         while self.history.len() > HISTORY_ROUNDS {
             self.history.pop_front();
         }
+        let recent = self.history.iter().rev().take(UTILIZATION_ROUNDS);
+        let (busy, wall) = recent.fold((0.0, 0.0), |(b, w), r| (b + r.train_s, w + r.wall_s));
+        self.compute_utilization = Some(if wall > 0.0 {
+            (busy / wall).clamp(0.0, 1.0)
+        } else {
+            1.0
+        });
     }
 
     /// The share of wall-clock time spent waiting over the recorded rounds (0 when none).
@@ -338,6 +358,32 @@ pub struct BootstrapStatus {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn compute_utilization_is_busy_over_wall_time_of_the_recent_rounds() {
+        let mut s = NodeStatus::default();
+        assert_eq!(s.compute_utilization, None);
+        let round = |round, train_s, wall_s| RoundRecord {
+            round,
+            train_s,
+            wall_s,
+            ..Default::default()
+        };
+        // Old rounds that idled half the time, then UTILIZATION_ROUNDS busy ones.
+        for r in 0..5 {
+            s.record_round(round(r, 1.0, 2.0));
+        }
+        assert_eq!(s.compute_utilization, Some(0.5));
+        for r in 5..(5 + UTILIZATION_ROUNDS as u64 - 1) {
+            s.record_round(round(r, 3.0, 4.0));
+        }
+        // 9 rounds of 3/4 and one of 1/2: 28 / 38.
+        let expected = (9.0 * 3.0 + 1.0) / (9.0 * 4.0 + 2.0);
+        assert!((s.compute_utilization.unwrap() - expected).abs() < 1e-12);
+        s.record_round(round(99, 4.0, 4.0));
+        let expected = (9.0 * 3.0 + 4.0) / (10.0 * 4.0);
+        assert!((s.compute_utilization.unwrap() - expected).abs() < 1e-12);
+    }
 
     #[test]
     fn history_is_capped_and_totals_add_up() {

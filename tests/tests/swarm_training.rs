@@ -284,6 +284,26 @@ fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
         mean_of(&unlimited, "inner_steps"),
         mean_of(&unlimited, "predicted_exchange_s"),
     );
+    // Every record says how much of its round the trainer computed; the slow uplink's
+    // shorter budget shows as a lower utilisation than the unlimited nodes'.
+    for r in reports.iter().flatten() {
+        let (busy, wall) = (
+            r["train_s"].as_f64().unwrap(),
+            r["wall_s"].as_f64().unwrap(),
+        );
+        let u = r["compute_utilization"].as_f64().unwrap();
+        assert!(
+            wall > 0.0 && wall >= busy && busy >= 0.0,
+            "train_s {busy}, wall_s {wall}"
+        );
+        assert!((u - busy / wall).abs() < 1e-9 && u <= 1.0, "{u}");
+    }
+    println!(
+        "compute utilisation: node2 {:.3}, unlimited nodes with fast partners {:.3}",
+        mean_of(&slow, "compute_utilization"),
+        mean_of(&unlimited, "compute_utilization")
+    );
+    assert!(mean_of(&slow, "compute_utilization") < mean_of(&unlimited, "compute_utilization"));
     // Meeting the slow node does not make the others predict slow exchanges with fast
     // partners: a swap is timed from both sides ready, and a node's own link is its fastest
     // recent swap (compared with node 2's prediction in the same run, not with a time).

@@ -5,6 +5,8 @@
 //!   Nesterov / heavy-ball step and the consensus distance;
 //! * [`lordo`]: LoRDO's low-rank inner optimizer (error feedback, full-rank QH term, basis
 //!   refresh with moment rotation);
+//! * [`overlap`]: the outer step when a round's exchange overlaps the next round's inner
+//!   steps (`delayed`, `eager`);
 //! * [`payload`]: what a worker sends (fp32 / bf16 model, LoRDO pseudo-gradient) and its size.
 //!
 //! Who mixes with whom (permutations, topologies, weights) is torch-free and lives in
@@ -12,4 +14,5 @@
 
 pub mod lordo;
 pub mod outer;
+pub mod overlap;
 pub mod payload;

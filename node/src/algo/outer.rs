@@ -71,7 +71,8 @@ pub fn all_reduce_mean(anchor: &[Tensor], models: &[Vec<Tensor>]) -> Vec<Tensor>
         .collect()
 }
 
-fn sum_then_divide(terms: impl Iterator<Item = Tensor>, denominator: u32) -> Tensor {
+/// `(Σ terms) / denominator`, the terms summed in the order given.
+pub(crate) fn sum_then_divide(terms: impl Iterator<Item = Tensor>, denominator: u32) -> Tensor {
     let mut terms = terms;
     let mut acc = terms.next().expect("a mixing row always holds self");
     for t in terms {
@@ -103,6 +104,16 @@ impl OuterOptimizer {
             momentum: config.momentum,
             nesterov: config.nesterov,
             buffers: anchor.iter().map(Tensor::zeros_like).collect(),
+        }
+    }
+
+    /// A copy with its own momentum buffers (to look ahead without moving this one).
+    pub fn snapshot(&self) -> OuterOptimizer {
+        OuterOptimizer {
+            lr: self.lr,
+            momentum: self.momentum,
+            nesterov: self.nesterov,
+            buffers: self.buffers.iter().map(Tensor::copy).collect(),
         }
     }
 

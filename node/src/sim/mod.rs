@@ -18,6 +18,7 @@ pub mod report;
 use crate::algo::outer::{
     all_reduce_mean, consensus_distance, mixed_pseudo_gradient, weighted_mix, OuterOptimizer,
 };
+use crate::algo::overlap::{LocalModel, OverlappedOuter};
 use crate::algo::payload::{encode_lordo, model_bytes, through_bf16};
 use crate::optim::InnerOptimizer;
 use crate::trainer::Trainer;
@@ -25,8 +26,10 @@ use anyhow::{bail, Result};
 use clock::{Network, Straggler};
 use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::{validation_batches, Batch, WorkerSlot};
-use gasloc_proto::manifest::{Algorithm, Payload};
-use gasloc_proto::pace::{standard_round_budget, InnerSteps, MovingAverage};
+use gasloc_proto::manifest::{Algorithm, Overlap, Payload};
+use gasloc_proto::pace::{
+    overlapped_round_budget, standard_round_budget, InnerSteps, MovingAverage,
+};
 use gasloc_proto::topology::{permutation, sim_round_seed, MixingRow};
 use gasloc_proto::RunManifest;
 use serde::Serialize;
@@ -61,9 +64,10 @@ impl SimOptions {
         if self.eval_every == 0 {
             bail!("--eval-every must be at least 1");
         }
-        if !(self.bandwidth_mbps.is_finite() && self.bandwidth_mbps > 0.0) {
+        // `inf` is allowed: an instantaneous exchange (no latency with --latency-ms 0).
+        if self.bandwidth_mbps.is_nan() || self.bandwidth_mbps <= 0.0 {
             bail!(
-                "--bandwidth-mbps {} must be a positive number",
+                "--bandwidth-mbps {} must be a positive number (or inf)",
                 self.bandwidth_mbps
             );
         }
@@ -100,8 +104,11 @@ pub struct WorkerRound {
     pub compute_s: f64,
     pub comm_s: f64,
     pub wait_s: f64,
-    /// The worker's simulated clock at the end of the round.
+    /// The worker's simulated clock at the end of the round: its outer step done (blocking
+    /// rounds), or its payload handed to the exchange (overlapped rounds).
     pub finish_s: f64,
+    /// Inner-step time over the round's wall time (`compute_s / (finish_s − round start)`).
+    pub compute_utilization: f64,
 }
 
 /// One round of the whole swarm.
@@ -136,6 +143,13 @@ impl SwarmRound {
     pub fn max_wait_s(&self) -> f64 {
         self.workers.iter().map(|w| w.wait_s).fold(0.0, f64::max)
     }
+    pub fn mean_compute_utilization(&self) -> f64 {
+        self.workers
+            .iter()
+            .map(|w| w.compute_utilization)
+            .sum::<f64>()
+            / self.workers.len() as f64
+    }
 }
 
 struct Worker {
@@ -148,6 +162,9 @@ struct Worker {
     /// (the node's estimator).
     step_time: MovingAverage,
     clock_s: f64,
+    /// With `[outer] overlap`: the pending exchange, and when it ends on the simulated clock.
+    overlap: Option<OverlappedOuter>,
+    exchange_done_s: f64,
 }
 
 /// N workers of one run.
@@ -197,6 +214,11 @@ impl Simulation {
                     estimate
                 },
                 clock_s: 0.0,
+                overlap: match manifest.outer.overlap {
+                    Overlap::None => None,
+                    mode => Some(OverlappedOuter::new(mode)?),
+                },
+                exchange_done_s: 0.0,
             });
         }
         let names = workers[0].trainer.parameter_names();
@@ -239,9 +261,10 @@ impl Simulation {
         &self.options
     }
 
-    /// Each worker's anchor `θ_i`.
-    pub fn anchors(&self) -> Vec<Vec<Tensor>> {
-        self.workers.iter().map(|w| copies(&w.anchor)).collect()
+    /// Each worker's anchor `θ_i`; with overlapped rounds, as it stands once the pending
+    /// exchange is applied (what the worker would hold if it stopped now).
+    pub fn anchors(&self) -> Result<Vec<Vec<Tensor>>> {
+        Ok(self.settled_anchors()?.iter().map(|a| copies(a)).collect())
     }
 
     /// Parameters of the full model payload, for bytes comparisons.
@@ -258,6 +281,8 @@ impl Simulation {
         self.round += 1;
         let record = if self.manifest.outer.algorithm == Algorithm::Ddp {
             self.ddp_round()?
+        } else if self.manifest.outer.overlap != Overlap::None {
+            self.overlapped_round()?
         } else {
             self.local_round()?
         };
@@ -280,7 +305,7 @@ impl Simulation {
     }
 
     /// The inner steps of each worker this round: the node's rule ([`InnerSteps`]) with the
-    /// budget `H · t_step + C°_i − C_i`.
+    /// budget `H · t_step + C°_i − C_i`, or `max(H · t_step, C°_i)` when rounds overlap.
     fn inner_steps(&self, rows: &[MixingRow]) -> Vec<u64> {
         let o = &self.manifest.outer;
         let rule = InnerSteps::from_manifest(o);
@@ -301,7 +326,11 @@ impl Simulation {
                         self.network.standard_gossip_time(&neighbours, bytes),
                     )
                 };
-                rule.for_budget(standard_round_budget(o.inner_steps, t, c0, c), Some(t))
+                let budget = match o.overlap {
+                    Overlap::None => standard_round_budget(o.inner_steps, t, c0, c),
+                    _ => overlapped_round_budget(o.inner_steps, t, c0),
+                };
+                rule.for_budget(budget, Some(t))
             })
             .collect()
     }
@@ -380,28 +409,9 @@ impl Simulation {
         let n = self.workers.len();
         let ready = self.ready_times(&compute);
         let mut worker_rounds = Vec::with_capacity(n);
-        let barrier = o.algorithm == Algorithm::Diloco;
-        let all_ready = ready.iter().cloned().fold(0.0, f64::max);
         for (i, row) in rows.iter().enumerate() {
-            let neighbours: Vec<usize> = row.neighbours().collect();
-            let (start, comm, bytes) = if barrier {
-                (
-                    all_ready,
-                    self.network.all_reduce_time(payload_bytes[i] as f64),
-                    self.network.all_reduce_bytes(payload_bytes[i]),
-                )
-            } else {
-                let start = neighbours
-                    .iter()
-                    .map(|&j| ready[j])
-                    .fold(ready[i], f64::max);
-                (
-                    start,
-                    self.network
-                        .gossip_time(i, &neighbours, payload_bytes[i] as f64),
-                    payload_bytes[i] * neighbours.len() as u64,
-                )
-            };
+            let (start, comm, bytes) = self.exchange_window(row, &ready, payload_bytes[i]);
+            let began = self.workers[i].clock_s;
             worker_rounds.push(WorkerRound {
                 worker: i,
                 inner_steps: steps[i],
@@ -411,12 +421,159 @@ impl Simulation {
                 comm_s: comm,
                 wait_s: start - ready[i],
                 finish_s: start + comm,
+                compute_utilization: utilization(compute[i], start + comm - began),
             });
         }
         for (w, r) in self.workers.iter_mut().zip(&worker_rounds) {
             w.clock_s = r.finish_s;
         }
-        Ok(self.finish_record(worker_rounds, full_sync))
+        self.finish_record(worker_rounds, full_sync)
+    }
+
+    /// An overlapped round (`[outer] overlap`, [`OverlappedOuter`]): each worker trains its
+    /// H_i steps starting at once; the previous round's exchange ends on the simulated clock
+    /// between two of them (or, when it is slower than the steps, the worker waits for it
+    /// after the last), and is applied there. Then the worker hands its payload to this
+    /// round's exchange, which starts when its neighbours have handed off theirs (DiLoCo: when
+    /// everyone has) and ends `C_i` later, in the next round.
+    fn overlapped_round(&mut self) -> Result<SwarmRound> {
+        let rows = self.mixing_rows();
+        let steps = self.inner_steps(&rows);
+        let fixed_step = self.options.step_time_ms.map(|t| t / 1e3);
+        let n = self.workers.len();
+        let (mut losses, mut compute, mut waited, mut began) = (vec![], vec![], vec![], vec![]);
+        for (i, &h) in steps.iter().enumerate() {
+            let start_s = self.workers[i].clock_s;
+            let (mut sum, mut elapsed) = (0.0, 0.0);
+            for _ in 0..h {
+                if start_s + elapsed >= self.workers[i].exchange_done_s {
+                    self.apply_pending(i)?;
+                }
+                let w = &mut self.workers[i];
+                let began_step = Instant::now();
+                sum += w.trainer.step()?.loss;
+                let took = began_step.elapsed().as_secs_f64();
+                if fixed_step.is_none() {
+                    w.step_time.observe(took);
+                }
+                elapsed += fixed_step.unwrap_or(took);
+            }
+            // A pending exchange slower than the inner steps: wait for it.
+            let wait = (self.workers[i].exchange_done_s - (start_s + elapsed)).max(0.0);
+            self.apply_pending(i)?;
+            let w = &mut self.workers[i];
+            let local = copies(&w.trainer.parameters());
+            let overlap = w.overlap.as_mut().expect("an overlapped run");
+            if let LocalModel::Replace(x) =
+                overlap.hand_off(self.round, &rows[i], &mut w.anchor, &mut w.outer, &local)?
+            {
+                w.trainer.set_parameters(&x);
+            }
+            losses.push(sum / h.max(1) as f64);
+            compute.push(elapsed);
+            waited.push(wait);
+            began.push(start_s);
+            w.clock_s = start_s + elapsed + wait;
+        }
+
+        // This round's exchange: what each worker receives, and when it ends.
+        let o = self.manifest.outer.clone();
+        let bf16 = o.payload != Payload::ModelFp32;
+        let received: Vec<Vec<Tensor>> = self
+            .workers
+            .iter()
+            .map(|w| {
+                w.trainer
+                    .parameters()
+                    .iter()
+                    .map(|t| {
+                        if bf16 {
+                            through_bf16(t)
+                        } else {
+                            t.detach().copy()
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let payload_bytes = model_bytes(&received[0], if bf16 { 2 } else { 4 });
+        let ready: Vec<f64> = self.workers.iter().map(|w| w.clock_s).collect();
+        let mut worker_rounds = Vec::with_capacity(n);
+        for (i, row) in rows.iter().enumerate() {
+            let (start, comm, bytes) = self.exchange_window(row, &ready, payload_bytes);
+            self.workers[i].exchange_done_s = start + comm;
+            worker_rounds.push(WorkerRound {
+                worker: i,
+                inner_steps: steps[i],
+                train_loss: losses[i],
+                bytes_sent: bytes,
+                compute_s: compute[i],
+                comm_s: comm,
+                wait_s: waited[i],
+                finish_s: ready[i],
+                compute_utilization: utilization(compute[i], ready[i] - began[i]),
+            });
+        }
+        // What the exchange gives is known now; each worker applies it when it ends.
+        for (w, row) in self.workers.iter_mut().zip(&rows) {
+            let overlap = w.overlap.as_mut().expect("an overlapped run");
+            overlap.arrived(self.round, row, |j| &received[j])?;
+        }
+        self.last_payload_bytes = payload_bytes.max(1);
+        self.finish_record(worker_rounds, false)
+    }
+
+    /// When `row.worker`'s exchange of a `payload_bytes` payload starts on the simulated clock
+    /// (gossip: when it and its round neighbours are `ready`; DiLoCo: the barrier, when
+    /// everyone is), how long it takes, and the bytes it sends.
+    fn exchange_window(
+        &self,
+        row: &MixingRow,
+        ready: &[f64],
+        payload_bytes: u64,
+    ) -> (f64, f64, u64) {
+        if self.manifest.outer.algorithm == Algorithm::Diloco {
+            return (
+                ready.iter().cloned().fold(0.0, f64::max),
+                self.network.all_reduce_time(payload_bytes as f64),
+                self.network.all_reduce_bytes(payload_bytes),
+            );
+        }
+        let i = row.worker;
+        let neighbours: Vec<usize> = row.neighbours().collect();
+        (
+            neighbours
+                .iter()
+                .map(|&j| ready[j])
+                .fold(ready[i], f64::max),
+            self.network
+                .gossip_time(i, &neighbours, payload_bytes as f64),
+            payload_bytes * neighbours.len() as u64,
+        )
+    }
+
+    /// Worker `i` takes its pending exchange into its anchor (the exchange has ended on the
+    /// simulated clock); nothing when none is pending.
+    fn apply_pending(&mut self, i: usize) -> Result<()> {
+        let w = &mut self.workers[i];
+        let overlap = w.overlap.as_mut().expect("an overlapped run");
+        let local = w.trainer.parameters();
+        if let LocalModel::Replace(x) = overlap.apply(&mut w.anchor, &mut w.outer, &local)? {
+            w.trainer.set_parameters(&x);
+        }
+        Ok(())
+    }
+
+    /// Each worker's anchor as it stands once its pending exchange is applied (what it would
+    /// hold if it stopped now); the anchors of blocking rounds as they are.
+    fn settled_anchors(&self) -> Result<Vec<Vec<Tensor>>> {
+        self.workers
+            .iter()
+            .map(|w| match &w.overlap {
+                Some(overlap) => Ok(overlap.settled_anchor(&w.anchor, &w.outer)?),
+                None => Ok(w.anchor.iter().map(Tensor::shallow_clone).collect()),
+            })
+            .collect()
     }
 
     /// The model payloads: `Δ_i = θ_i − x̄_i` (gossip) or DiLoCo's all-reduce mean; and the
@@ -560,12 +717,16 @@ impl Simulation {
                 comm_s: comm,
                 wait_s: start - ready[i],
                 finish_s: start + comm,
+                compute_utilization: utilization(
+                    compute[i],
+                    start + comm - self.workers[i].clock_s,
+                ),
             })
             .collect();
         for w in &mut self.workers {
             w.clock_s = start + comm;
         }
-        Ok(self.finish_record(worker_rounds, false))
+        self.finish_record(worker_rounds, false)
     }
 
     /// When each worker's compute of this round ends on its simulated clock.
@@ -577,34 +738,54 @@ impl Simulation {
             .collect()
     }
 
-    fn finish_record(&self, workers: Vec<WorkerRound>, full_sync: bool) -> SwarmRound {
-        let anchors: Vec<Vec<Tensor>> = self
-            .workers
-            .iter()
-            .map(|w| w.anchor.iter().map(Tensor::shallow_clone).collect())
-            .collect();
+    /// The round's record: the consensus distance of the anchors and, on an evaluation round,
+    /// their mean validation loss. With overlapped rounds these are the settled anchors (the
+    /// pending exchange applied), the trainer's local model left as it is.
+    fn finish_record(&mut self, workers: Vec<WorkerRound>, full_sync: bool) -> Result<SwarmRound> {
+        let anchors = self.settled_anchors()?;
         let evaluate =
             self.round.is_multiple_of(self.options.eval_every) || self.round == self.options.rounds;
-        // DiLoCo and ddp keep every worker identical: one evaluation is the mean.
-        let evaluated = match self.manifest.outer.algorithm {
-            Algorithm::Diloco | Algorithm::Ddp => &self.workers[..1],
-            _ => &self.workers[..],
+        // DiLoCo (blocking or delayed) and ddp keep every worker identical: one evaluation is
+        // the mean.
+        let identical = match self.manifest.outer.algorithm {
+            Algorithm::Ddp => true,
+            Algorithm::Diloco => self.manifest.outer.overlap != Overlap::Eager,
+            _ => false,
         };
-        let val_loss = evaluate.then(|| {
-            evaluated
-                .iter()
-                .map(|w| w.trainer.evaluate(&self.val))
-                .sum::<f64>()
-                / evaluated.len() as f64
-        });
-        SwarmRound {
+        let evaluated = if identical { 1 } else { self.workers.len() };
+        let val_loss = if evaluate {
+            let mut sum = 0.0;
+            for (w, anchor) in self.workers.iter_mut().zip(&anchors).take(evaluated) {
+                if w.overlap.is_none() {
+                    sum += w.trainer.evaluate(&self.val);
+                    continue;
+                }
+                let local = copies(&w.trainer.parameters());
+                w.trainer.set_parameters(anchor);
+                sum += w.trainer.evaluate(&self.val);
+                w.trainer.set_parameters(&local);
+            }
+            Some(sum / evaluated as f64)
+        } else {
+            None
+        };
+        Ok(SwarmRound {
             round: self.round,
             sim_time_s: workers.iter().map(|w| w.finish_s).fold(0.0, f64::max),
             val_loss,
             consensus: consensus_distance(&anchors),
             full_sync,
             workers,
-        }
+        })
+    }
+}
+
+/// Inner-step time over wall time (1 for a round that took no time).
+fn utilization(compute_s: f64, wall_s: f64) -> f64 {
+    if wall_s > 0.0 {
+        (compute_s / wall_s).min(1.0)
+    } else {
+        1.0
     }
 }
 

@@ -14,6 +14,8 @@ use std::path::Path;
 pub struct Summary {
     pub algorithm: String,
     pub topology: String,
+    /// `[outer] overlap`: none, delayed or eager.
+    pub overlap: String,
     pub workers: usize,
     pub rounds: u64,
     pub inner_steps_mean: f64,
@@ -28,6 +30,8 @@ pub struct Summary {
     /// Simulated time of the first evaluation at or below `target_loss`.
     pub target_loss: Option<f64>,
     pub time_to_target_s: Option<f64>,
+    /// Inner-step time over simulated wall time, all workers and rounds together.
+    pub compute_utilization: f64,
 }
 
 impl Summary {
@@ -47,6 +51,7 @@ impl Summary {
         Summary {
             algorithm: manifest.outer.algorithm.name().into(),
             topology: manifest.outer.topology.name().into(),
+            overlap: manifest.outer.overlap.name().into(),
             workers: options.workers,
             rounds: records.len() as u64,
             inner_steps_mean: records.iter().map(|r| r.mean_inner_steps()).sum::<f64>() / rounds,
@@ -60,6 +65,18 @@ impl Summary {
             model_bytes_fp32: parameters * 4,
             target_loss,
             time_to_target_s: target_loss.and_then(|t| vals.iter().find(|v| v.1 <= t).map(|v| v.0)),
+            compute_utilization: {
+                let compute: f64 = records
+                    .iter()
+                    .flat_map(|r| r.workers.iter().map(|w| w.compute_s))
+                    .sum();
+                let wall: f64 = last.map_or(0.0, |r| r.workers.iter().map(|w| w.finish_s).sum());
+                if wall > 0.0 {
+                    compute / wall
+                } else {
+                    1.0
+                }
+            },
         }
     }
 }
@@ -94,12 +111,12 @@ pub fn write_all(
 
 fn rounds_csv(records: &[SwarmRound]) -> String {
     let mut s = String::from(
-        "round,sim_time_s,val_loss,consensus,train_loss_mean,bytes_sent_total,inner_steps_mean,wait_s_max,full_sync\n",
+        "round,sim_time_s,val_loss,consensus,train_loss_mean,bytes_sent_total,inner_steps_mean,wait_s_max,full_sync,compute_utilization_mean\n",
     );
     for r in records {
         let _ = writeln!(
             s,
-            "{},{:.6},{},{:.6e},{:.6},{},{:.3},{:.6},{}",
+            "{},{:.6},{},{:.6e},{:.6},{},{:.3},{:.6},{},{:.4}",
             r.round,
             r.sim_time_s,
             r.val_loss.map_or(String::new(), |v| format!("{v:.6}")),
@@ -108,7 +125,8 @@ fn rounds_csv(records: &[SwarmRound]) -> String {
             r.bytes_sent(),
             r.mean_inner_steps(),
             r.max_wait_s(),
-            r.full_sync
+            r.full_sync,
+            r.mean_compute_utilization()
         );
     }
     s
@@ -116,13 +134,13 @@ fn rounds_csv(records: &[SwarmRound]) -> String {
 
 fn workers_csv(records: &[SwarmRound]) -> String {
     let mut s = String::from(
-        "round,worker,inner_steps,train_loss,bytes_sent,compute_s,comm_s,wait_s,finish_s\n",
+        "round,worker,inner_steps,train_loss,bytes_sent,compute_s,comm_s,wait_s,finish_s,compute_utilization\n",
     );
     for r in records {
         for w in &r.workers {
             let _ = writeln!(
                 s,
-                "{},{},{},{:.6},{},{:.6},{:.6},{:.6},{:.6}",
+                "{},{},{},{:.6},{},{:.6},{:.6},{:.6},{:.6},{:.4}",
                 r.round,
                 w.worker,
                 w.inner_steps,
@@ -131,7 +149,8 @@ fn workers_csv(records: &[SwarmRound]) -> String {
                 w.compute_s,
                 w.comm_s,
                 w.wait_s,
-                w.finish_s
+                w.finish_s,
+                w.compute_utilization
             );
         }
     }
@@ -142,7 +161,7 @@ fn summary_markdown(manifest: &RunManifest, options: &SimOptions, s: &Summary) -
     let o = &manifest.outer;
     let mut md = format!(
         "# Simulation: {}\n\nrun id `{}`; {} workers × {} rounds; algorithm `{}`, topology `{}`, \
-         H = {} (adaptive: {}), η = {}, μ = {}, Nesterov: {}, payload `{:?}`, inner optimizer `{:?}`; \
+         overlap `{}`, H = {} (adaptive: {}), η = {}, μ = {}, Nesterov: {}, payload `{:?}`, inner optimizer `{:?}`; \
          links {} Mbit/s, latency {} ms{}.\n\n",
         manifest.name,
         manifest.run_id(),
@@ -150,6 +169,7 @@ fn summary_markdown(manifest: &RunManifest, options: &SimOptions, s: &Summary) -
         options.rounds,
         s.algorithm,
         s.topology,
+        s.overlap,
         o.inner_steps,
         o.adaptive_inner_steps,
         o.lr,
@@ -178,6 +198,10 @@ fn summary_markdown(manifest: &RunManifest, options: &SimOptions, s: &Summary) -
             format!("{:.2}", s.inner_steps_mean),
         ),
         ("simulated wall-clock (s)", format!("{:.2}", s.sim_time_s)),
+        (
+            "compute utilisation",
+            format!("{:.3}", s.compute_utilization),
+        ),
         (
             "bytes sent per worker per round",
             format!("{:.0}", s.bytes_per_worker_round),

@@ -1,0 +1,546 @@
+//! Overlapped rounds on named tensors: what a worker does when a round's exchange runs beside
+//! the next round's inner steps (`[outer] overlap`, `docs/algorithms.md` "Overlapped rounds").
+//! The simulator and the networked node both drive a worker's [`OverlappedOuter`]; with
+//! `overlap = "none"` neither does and a round blocks as before.
+//!
+//! Round t starts from the worker's anchor `θ_t` and ends its inner steps with the local model
+//! `x_t`, which it hands to the exchange ([`OverlappedOuter::hand_off`]). The next round's inner
+//! steps start at once. What happens to the outer step depends on the mode:
+//!
+//! * **`delayed`** (Psyche, PCCL's async DiLoCo, DiLoCoX): nothing changes at the hand-off; the
+//!   inner steps go on from `x_t`. When the exchange ends ([`OverlappedOuter::arrived`], then
+//!   [`OverlappedOuter::apply`]) the round's outer step is taken exactly as a blocking round
+//!   takes it, `θ_{t+1} = θ_t − η·Nesterov(Δ_t)` with `Δ_t = Σ_j w_ij (θ_t − x_t^j)`
+//!   ([`mixed_pseudo_gradient`]), and the local progress made since the hand-off is carried
+//!   onto the new anchor: `x ← θ_{t+1} + (x − x_t)` ([`carry_progress`]). No inner step is
+//!   lost. When the exchange ends before the first inner step of round t+1, `x = x_t` and the
+//!   carry gives `θ_{t+1}` bit for bit: a blocking round.
+//! * **`eager`** (arXiv 2502.12996, adapted to gossip): at the hand-off the worker takes its
+//!   outer step at once with its own fresh term and its neighbours' terms of the round before,
+//!   `Δ̃_t = w_ii (θ_t − x_t) + L_{t−1}` ([`own_term`]), and round t+1 starts from `θ_{t+1}`.
+//!   When round t's exchange ends, `L_t = Σ_{j≠i} w_ij (θ_t − x_t^j)` plus any weight a
+//!   neighbour that sent nothing usable returned to self, `(w'_ii − w_ii)(θ_t − x_t)`
+//!   ([`late_term`]); it waits for the next outer step. Summed over two rounds the worker
+//!   applies every term a blocking round applies, the neighbours' one round late. With no
+//!   neighbour `L = 0` and `Δ̃_t = Δ_t`: a blocking round. With the complete topology it is the
+//!   paper's update, `Δ̃ = Δ_t^i / n + Σ_{j≠i} Δ_{t−1}^j / n`, except that each term is taken
+//!   against this worker's own anchor (it holds the others' local models, not their anchors).
+//!
+//! At most one exchange is pending: a worker whose next round ends before its pending exchange
+//! does waits for it (the caller's business) before it hands off again.
+
+use crate::algo::outer::{mixed_pseudo_gradient, sum_then_divide, OuterOptimizer};
+use gasloc_proto::manifest::Overlap;
+use gasloc_proto::topology::MixingRow;
+use tch::Tensor;
+
+/// `θ_new + (x − x_handed)`, tensor by tensor: the inner steps taken since `x_handed` was
+/// handed to the exchange, carried onto the new anchor. When no step was taken (`x` equals
+/// `x_handed`) the result is `θ_new` exactly.
+pub fn carry_progress(
+    local: &[Tensor],
+    handed_off: &[Tensor],
+    new_anchor: &[Tensor],
+) -> Vec<Tensor> {
+    let _guard = tch::no_grad_guard();
+    local
+        .iter()
+        .zip(handed_off)
+        .zip(new_anchor)
+        .map(|((x, h), a)| a + (x - h))
+        .collect()
+}
+
+/// The worker's own term of its row, `count_i·(θ − x_i) / denominator`, tensor by tensor
+/// (eager's part applied at once).
+pub fn own_term(row: &MixingRow, anchor: &[Tensor], own: &[Tensor]) -> Vec<Tensor> {
+    let _guard = tch::no_grad_guard();
+    let count = self_count(row);
+    anchor
+        .iter()
+        .zip(own)
+        .map(|(theta, x)| {
+            let d = theta - x;
+            let d = if count == 1 { d } else { d * count as f64 };
+            sum_then_divide(std::iter::once(d), row.denominator)
+        })
+        .collect()
+}
+
+/// Eager's part one round late: the terms of `applied` (the row after the exchange, a
+/// neighbour that sent nothing usable dropped and its weight returned to self) that
+/// `nominal`'s own term did not already apply: every neighbour's, plus self's returned weight.
+/// `None` when there is none (no neighbour). `model(j)` gives worker j's received local
+/// model, the worker's own included.
+pub fn late_term<'a>(
+    nominal: &MixingRow,
+    applied: &MixingRow,
+    anchor: &[Tensor],
+    model: impl Fn(usize) -> &'a [Tensor],
+) -> Option<Vec<Tensor>> {
+    let already = self_count(nominal);
+    let terms: Vec<(usize, u32)> = applied
+        .terms
+        .iter()
+        .filter_map(|&(j, c)| {
+            let c = if j == applied.worker {
+                c.saturating_sub(already)
+            } else {
+                c
+            };
+            (c > 0).then_some((j, c))
+        })
+        .collect();
+    if terms.is_empty() {
+        return None;
+    }
+    let _guard = tch::no_grad_guard();
+    Some(
+        anchor
+            .iter()
+            .enumerate()
+            .map(|(p, theta)| {
+                let summands = terms.iter().map(|&(j, count)| {
+                    let d = theta - &model(j)[p];
+                    if count == 1 {
+                        d
+                    } else {
+                        d * count as f64
+                    }
+                });
+                sum_then_divide(summands, applied.denominator)
+            })
+            .collect(),
+    )
+}
+
+fn self_count(row: &MixingRow) -> u32 {
+    row.terms
+        .iter()
+        .find(|t| t.0 == row.worker)
+        .map_or(0, |t| t.1)
+}
+
+/// The round whose exchange is under way.
+struct Pending {
+    round: u64,
+    /// `θ_t`, the anchor round t started from.
+    anchor: Vec<Tensor>,
+    /// `x_t`, the local model handed to the exchange.
+    handed_off: Vec<Tensor>,
+    /// Round t's row as planned (eager's own term used its self weight).
+    nominal: MixingRow,
+    /// What the exchange gave, once it arrived: `Δ_t` (delayed) or `L_t` (eager).
+    arrived: Option<Option<Vec<Tensor>>>,
+}
+
+/// One worker's outer step when rounds overlap: its pending exchange and, with `eager`, the
+/// neighbours' term waiting for the next outer step. The anchor and the outer optimizer stay
+/// the caller's; every method takes them.
+pub struct OverlappedOuter {
+    mode: Overlap,
+    pending: Option<Pending>,
+    /// Eager: `L_{t−1}`, for the next hand-off.
+    late: Option<Vec<Tensor>>,
+}
+
+/// What a call changed for the caller's trainer.
+#[derive(Debug)]
+pub enum LocalModel {
+    /// Keep training from where it is.
+    Unchanged,
+    /// Continue from these values (set them as the trainer's parameters).
+    Replace(Vec<Tensor>),
+}
+
+/// A call that does not fit the worker's state (a caller's bug, reported, never a panic).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OverlapError {
+    #[error("overlap = \"none\" has no overlapped outer step")]
+    NotOverlapped,
+    #[error("round {handing} handed off while round {pending}'s exchange is still pending")]
+    StillPending { handing: u64, pending: u64 },
+    #[error("round {0}'s exchange is not the one pending")]
+    NotPending(u64),
+    #[error("round {0}'s exchange has not arrived yet")]
+    NotArrived(u64),
+}
+
+impl OverlappedOuter {
+    pub fn new(mode: Overlap) -> Result<Self, OverlapError> {
+        if mode == Overlap::None {
+            return Err(OverlapError::NotOverlapped);
+        }
+        Ok(OverlappedOuter {
+            mode,
+            pending: None,
+            late: None,
+        })
+    }
+
+    pub fn mode(&self) -> Overlap {
+        self.mode
+    }
+
+    /// The round whose exchange is under way, if any.
+    pub fn pending_round(&self) -> Option<u64> {
+        self.pending.as_ref().map(|p| p.round)
+    }
+
+    /// Round `round`'s inner steps ended with `local` (`x_t`), handed to the exchange with the
+    /// planned row `nominal`. Eager takes its outer step here and returns the new anchor as
+    /// the local model; delayed changes nothing.
+    pub fn hand_off(
+        &mut self,
+        round: u64,
+        nominal: &MixingRow,
+        anchor: &mut [Tensor],
+        outer: &mut OuterOptimizer,
+        local: &[Tensor],
+    ) -> Result<LocalModel, OverlapError> {
+        if let Some(p) = &self.pending {
+            return Err(OverlapError::StillPending {
+                handing: round,
+                pending: p.round,
+            });
+        }
+        let handed_off = copies(local);
+        let theta = copies(anchor);
+        let changed = match self.mode {
+            Overlap::None => return Err(OverlapError::NotOverlapped),
+            Overlap::Delayed => LocalModel::Unchanged,
+            Overlap::Eager => {
+                let mut delta = own_term(nominal, anchor, &handed_off);
+                if let Some(late) = self.late.take() {
+                    let _guard = tch::no_grad_guard();
+                    for (d, l) in delta.iter_mut().zip(&late) {
+                        *d += l;
+                    }
+                }
+                outer.step(anchor, &delta);
+                LocalModel::Replace(copies(anchor))
+            }
+        };
+        self.pending = Some(Pending {
+            round,
+            anchor: theta,
+            handed_off,
+            nominal: nominal.clone(),
+            arrived: None,
+        });
+        Ok(changed)
+    }
+
+    /// Round `round`'s exchange ended: `applied` is its row (a neighbour that sent nothing
+    /// usable removed), `received(j)` neighbour j's decoded local model. Computes what the
+    /// exchange gives (`Δ_t` or `L_t`); [`Self::apply`] takes it into the anchor.
+    pub fn arrived<'a>(
+        &mut self,
+        round: u64,
+        applied: &MixingRow,
+        received: impl Fn(usize) -> &'a [Tensor],
+    ) -> Result<(), OverlapError> {
+        let mode = self.mode;
+        let p = self
+            .pending
+            .as_mut()
+            .filter(|p| p.round == round)
+            .ok_or(OverlapError::NotPending(round))?;
+        let own = applied.worker;
+        let (theta, handed) = (&p.anchor, &p.handed_off);
+        let model = |j: usize| -> &[Tensor] {
+            if j == own {
+                handed
+            } else {
+                received(j)
+            }
+        };
+        let gives = match mode {
+            Overlap::Delayed => Some(mixed_pseudo_gradient(applied, theta, model)),
+            _ => late_term(&p.nominal, applied, theta, model),
+        };
+        p.arrived = Some(gives);
+        Ok(())
+    }
+
+    /// Takes the arrived exchange into the worker: delayed steps the anchor with `Δ_t` and
+    /// carries `local`'s progress onto it (the returned local model); eager keeps `L_t` for
+    /// the next hand-off.
+    pub fn apply(
+        &mut self,
+        anchor: &mut [Tensor],
+        outer: &mut OuterOptimizer,
+        local: &[Tensor],
+    ) -> Result<LocalModel, OverlapError> {
+        let Some(p) = self.pending.take() else {
+            return Ok(LocalModel::Unchanged);
+        };
+        let Some(gives) = p.arrived else {
+            let round = p.round;
+            self.pending = Some(p);
+            return Err(OverlapError::NotArrived(round));
+        };
+        match self.mode {
+            Overlap::Delayed => {
+                let delta = gives.expect("delayed always has a pseudo-gradient");
+                outer.step(anchor, &delta);
+                Ok(LocalModel::Replace(carry_progress(
+                    local,
+                    &p.handed_off,
+                    anchor,
+                )))
+            }
+            _ => {
+                self.late = gives;
+                Ok(LocalModel::Unchanged)
+            }
+        }
+    }
+
+    /// The anchor as the worker would hold it once everything pending is applied and no
+    /// further inner step is taken: delayed's pending outer step, or eager's late term as one
+    /// more outer step (its own term would be zero). Needs the pending exchange arrived.
+    /// Leaves `anchor` and `outer` as they are.
+    pub fn settled_anchor(
+        &self,
+        anchor: &[Tensor],
+        outer: &OuterOptimizer,
+    ) -> Result<Vec<Tensor>, OverlapError> {
+        let mut settled = copies(anchor);
+        let mut outer = outer.snapshot();
+        let pending_gives = match &self.pending {
+            Some(p) => match &p.arrived {
+                Some(g) => g.as_ref(),
+                None => return Err(OverlapError::NotArrived(p.round)),
+            },
+            None => None,
+        };
+        match self.mode {
+            Overlap::Delayed => {
+                if let Some(delta) = pending_gives {
+                    outer.step(&mut settled, delta);
+                }
+            }
+            _ => {
+                // The late term of the exchange before (not yet used), then the pending
+                // one's: at most one of them exists at any time a caller asks.
+                for late in self.late.iter().chain(pending_gives) {
+                    outer.step(&mut settled, late);
+                }
+            }
+        }
+        Ok(settled)
+    }
+}
+
+fn copies(tensors: &[Tensor]) -> Vec<Tensor> {
+    tensors.iter().map(|t| t.detach().copy()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gasloc_proto::manifest::OuterConfig;
+    use gasloc_proto::RunManifest;
+    use tch::{Kind, Tensor};
+
+    fn outer_config() -> OuterConfig {
+        let text = "name = \"t\"\nseed = 1\n[model]\nsize = \"tiny\"\n[data]\ntokenizer = \"byte\"\nseq_len = 8\nmicro_batch = 1\n[optimizer]\ndecay_steps = 10\n";
+        RunManifest::parse(text, "t").unwrap().outer
+    }
+
+    fn model(seed: i64) -> Vec<Tensor> {
+        tch::manual_seed(seed);
+        vec![
+            Tensor::randn([4, 3], (Kind::Float, tch::Device::Cpu)),
+            Tensor::randn([5], (Kind::Float, tch::Device::Cpu)),
+        ]
+    }
+
+    fn same(a: &[Tensor], b: &[Tensor]) -> bool {
+        a.iter().zip(b).all(|(x, y)| x.equal(y))
+    }
+
+    /// A blocking round: mix, outer step; the local model becomes the anchor.
+    fn blocking(
+        row: &MixingRow,
+        anchor: &mut [Tensor],
+        outer: &mut OuterOptimizer,
+        models: &[Vec<Tensor>],
+    ) {
+        let delta = mixed_pseudo_gradient(row, anchor, |j| &models[j]);
+        outer.step(anchor, &delta);
+    }
+
+    #[test]
+    fn delayed_with_an_exchange_that_ends_before_the_next_step_is_a_blocking_round_bit_for_bit() {
+        let config = outer_config();
+        let start = model(1);
+        let models = [model(2), model(3), model(4)];
+        let row = MixingRow::uniform(0, &[1, 2]).without(&[2]);
+        let (mut a_block, mut a_over) = (copies(&start), copies(&start));
+        let mut o_block = OuterOptimizer::new(&config, &start);
+        let mut o_over = OuterOptimizer::new(&config, &start);
+        let mut overlap = OverlappedOuter::new(Overlap::Delayed).unwrap();
+        for round in 0..3 {
+            blocking(&row, &mut a_block, &mut o_block, &models);
+            let handed = &models[0];
+            let kept = overlap
+                .hand_off(
+                    round,
+                    &MixingRow::uniform(0, &[1, 2]),
+                    &mut a_over,
+                    &mut o_over,
+                    handed,
+                )
+                .unwrap();
+            assert!(matches!(kept, LocalModel::Unchanged));
+            overlap.arrived(round, &row, |j| &models[j]).unwrap();
+            let LocalModel::Replace(local) =
+                overlap.apply(&mut a_over, &mut o_over, handed).unwrap()
+            else {
+                panic!("delayed replaces the local model");
+            };
+            assert!(same(&a_block, &a_over), "round {round}: anchors differ");
+            assert!(
+                same(&local, &a_over),
+                "round {round}: no step taken, the local model is the anchor"
+            );
+        }
+        assert!(same(o_block.momentum(), o_over.momentum()));
+    }
+
+    #[test]
+    fn delayed_carries_the_steps_taken_during_the_exchange_onto_the_new_anchor() {
+        let config = outer_config();
+        let mut anchor = model(1);
+        let mut outer = OuterOptimizer::new(&config, &anchor);
+        let handed = model(2);
+        let progress = model(5);
+        let local: Vec<Tensor> = handed.iter().zip(&progress).map(|(h, p)| h + p).collect();
+        let mut overlap = OverlappedOuter::new(Overlap::Delayed).unwrap();
+        let row = MixingRow::uniform(0, &[1]);
+        overlap
+            .hand_off(7, &row, &mut anchor, &mut outer, &handed)
+            .unwrap();
+        let neighbour = model(3);
+        overlap.arrived(7, &row, |_| &neighbour).unwrap();
+        let LocalModel::Replace(carried) = overlap.apply(&mut anchor, &mut outer, &local).unwrap()
+        else {
+            panic!("delayed replaces the local model");
+        };
+        for ((c, a), p) in carried.iter().zip(&anchor).zip(&progress) {
+            let gap = (c - a - p).abs().max().double_value(&[]);
+            assert!(gap < 1e-5, "carried progress off by {gap}");
+        }
+        assert_eq!(overlap.pending_round(), None);
+    }
+
+    #[test]
+    fn eager_applies_every_term_of_a_blocking_round_its_neighbours_one_round_late() {
+        // Momentum 0, lr 1: the anchor moves by exactly the sum of the pseudo-gradients, so
+        // two eager rounds plus the settled late term equal two blocking rounds' terms.
+        let mut config = outer_config();
+        config.momentum = 0.0;
+        config.lr = 1.0;
+        let start = model(1);
+        let nominal = MixingRow::uniform(0, &[1, 2]);
+        let models = [model(2), model(3), model(4)];
+        let mut anchor = copies(&start);
+        let mut outer = OuterOptimizer::new(&config, &anchor);
+        let mut overlap = OverlappedOuter::new(Overlap::Eager).unwrap();
+        // Round 0: own term at once, from θ_0.
+        let LocalModel::Replace(local) = overlap
+            .hand_off(0, &nominal, &mut anchor, &mut outer, &models[0])
+            .unwrap()
+        else {
+            panic!("eager replaces the local model");
+        };
+        assert!(same(&local, &anchor));
+        let own = own_term(&nominal, &start, &models[0]);
+        for ((a, s), o) in anchor.iter().zip(&start).zip(&own) {
+            assert!(a.equal(&(s - o)));
+        }
+        // Its exchange: neighbour 2 failed, its weight returns to self.
+        let applied = nominal.without(&[2]);
+        overlap.arrived(0, &applied, |j| &models[j]).unwrap();
+        assert!(matches!(
+            overlap.apply(&mut anchor, &mut outer, &local).unwrap(),
+            LocalModel::Unchanged
+        ));
+        let settled = overlap.settled_anchor(&anchor, &outer).unwrap();
+        // Blocking: θ_0 − Δ with the applied row.
+        let full = mixed_pseudo_gradient(&applied, &start, |j| &models[j]);
+        for ((s, t), d) in settled.iter().zip(&start).zip(&full) {
+            let gap = (s - (t - d)).abs().max().double_value(&[]);
+            assert!(
+                gap < 1e-5,
+                "own + late differs from the blocking term by {gap}"
+            );
+        }
+    }
+
+    #[test]
+    fn eager_without_a_neighbour_is_a_blocking_round_bit_for_bit() {
+        let config = outer_config();
+        let start = model(1);
+        let models = [model(2)];
+        let alone = MixingRow::uniform(0, &[]);
+        let (mut a_block, mut a_over) = (copies(&start), copies(&start));
+        let mut o_block = OuterOptimizer::new(&config, &start);
+        let mut o_over = OuterOptimizer::new(&config, &start);
+        let mut overlap = OverlappedOuter::new(Overlap::Eager).unwrap();
+        for round in 0..3 {
+            blocking(&alone, &mut a_block, &mut o_block, &models);
+            overlap
+                .hand_off(round, &alone, &mut a_over, &mut o_over, &models[0])
+                .unwrap();
+            overlap.arrived(round, &alone, |j| &models[j]).unwrap();
+            overlap.apply(&mut a_over, &mut o_over, &models[0]).unwrap();
+            assert!(same(&a_block, &a_over), "round {round}");
+        }
+    }
+
+    #[test]
+    fn calls_out_of_order_are_errors_not_panics() {
+        let config = outer_config();
+        let mut anchor = model(1);
+        let mut outer = OuterOptimizer::new(&config, &anchor);
+        let row = MixingRow::uniform(0, &[1]);
+        let local = model(2);
+        assert_eq!(
+            OverlappedOuter::new(Overlap::None).err(),
+            Some(OverlapError::NotOverlapped)
+        );
+        let mut overlap = OverlappedOuter::new(Overlap::Delayed).unwrap();
+        assert_eq!(
+            overlap.arrived(3, &row, |_| &local).err(),
+            Some(OverlapError::NotPending(3))
+        );
+        overlap
+            .hand_off(3, &row, &mut anchor, &mut outer, &local)
+            .unwrap();
+        assert_eq!(
+            overlap
+                .hand_off(4, &row, &mut anchor, &mut outer, &local)
+                .err(),
+            Some(OverlapError::StillPending {
+                handing: 4,
+                pending: 3
+            })
+        );
+        assert_eq!(
+            overlap.apply(&mut anchor, &mut outer, &local).err(),
+            Some(OverlapError::NotArrived(3))
+        );
+        assert_eq!(
+            overlap.pending_round(),
+            Some(3),
+            "a refused apply keeps the exchange pending"
+        );
+        assert_eq!(
+            overlap.settled_anchor(&anchor, &outer).err(),
+            Some(OverlapError::NotArrived(3))
+        );
+    }
+}
