@@ -75,10 +75,23 @@ demo-data: build
 demo: setup
 	bash deploy/demo.sh target/debug $(DATA)
 
+# Every test, in two lanes at once: the swarm tests of `tests/` (whole processes and
+# containers, most of their time spent waiting on wall-clock rounds) beside the other
+# packages' tests, each lane one `cargo test`. The swarm lane's output goes to
+# target/test-swarms.log and is printed when both lanes are done; either failing fails.
 test: setup
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	cargo test --workspace
+	cargo test --workspace --no-run
+	cargo test -p gasloc-tests --no-run
+	@cargo test --no-fail-fast -p gasloc-tests > target/test-swarms.log 2>&1 & swarms=$$!; \
+	others=0; cargo test --no-fail-fast --workspace --exclude gasloc-tests || others=$$?; \
+	swarm=0; wait $$swarms || swarm=$$?; \
+	echo "=== cargo test -p gasloc-tests (run beside the tests above) ==="; \
+	cat target/test-swarms.log; \
+	if [ $$others != 0 ] || [ $$swarm != 0 ]; then \
+		echo "make test: FAILED (other packages: exit $$others; swarm tests: exit $$swarm)"; exit 1; \
+	fi
 
 # The container image (FROM scratch, nothing pulled; docs/operations.md), of the release
 # binaries. Cached: rebuilt only when a binary, a library or the Dockerfile changed.

@@ -2,7 +2,8 @@
 # bench/sim_experiments: the five simulator experiments of docs/results.md, at small scale
 # (the tiny model on Shakespeare bytes, 8 workers, 1 libtorch thread per run).
 #
-# usage: [SIM_ROUNDS_H30=12] [SIM_ROUNDS_H1=150] bench/sim_experiments.sh [1 2 3 4 5 …]  (default: all)
+# usage: [SIM_ROUNDS_H30=12] [SIM_ROUNDS_H1=150] bench/sim_experiments.sh [1 2 3 4 5 …]  (default: 1–5)
+#        [SIM_ROUNDS_OVERLAP=30] [SIM_SEEDS="1234 99"] bench/sim_experiments.sh 6   (overlapped rounds)
 # Writes runs/exp/<name>/ (rounds.csv, workers.csv, rounds.json, summary.md, loss.svg) and the
 # manifests it generated in runs/exp/manifests/. Each experiment takes minutes on 2 cores.
 set -euo pipefail
@@ -20,7 +21,8 @@ d30=$((r30 * 30))
 # [outer] replaced and decay_steps set.
 manifest() {
   local path="$out/manifests/$1.toml"
-  sed -e '/^\[outer\]/,$d' -e "s/^decay_steps = .*/decay_steps = $2/" examples/runs/sim-tiny.toml > "$path"
+  sed -e '/^\[outer\]/,$d' -e "s/^decay_steps = .*/decay_steps = $2/" \
+    -e "s/^seed = .*/seed = ${SIM_SEED:-1234}/" examples/runs/sim-tiny.toml > "$path"
   printf '[outer]\n%b\n' "$3" >> "$path"
   if [ -n "${4:-}" ]; then printf '[lordo]\n%b\n' "$4" >> "$path"; fi
   echo "$path"
@@ -81,6 +83,22 @@ exp5() { # stragglers: one worker at 10 % / 20 % bandwidth; fixed 20 ms simulate
     sim "e5-gasloc-fixed-s$f" "$r30" "$d30" 'topology = "one-peer"\ninner_steps = 30' '' --straggler "3:$f" --step-time-ms 20
     sim "e5-gasloc-adaptive-s$f" "$r30" "$d30" 'topology = "one-peer"\ninner_steps = 30\nadaptive_inner_steps = true\nmin_inner_steps = 5' '' \
       --straggler "3:$f" --step-time-ms 20
+  done
+}
+
+exp6() { # overlapped rounds: none / delayed / eager on one-peer and two-peer; 25 ms simulated
+  # steps (H = 30: 0.75 s of compute) and links at which a blocking exchange takes about 40 %
+  # of the round (one-peer: one 0.53 MB payload at 8 Mbit/s; two-peer: two at 16 Mbit/s).
+  # SIM_SEEDS (default 1234) names the run seeds, SIM_LINKS the topology:Mbit/s pairs.
+  local ro=${SIM_ROUNDS_OVERLAP:-30} seed t mode
+  for seed in ${SIM_SEEDS:-1234}; do
+    for t in ${SIM_LINKS:-one-peer:8 two-peer:16}; do
+      for mode in none delayed eager; do
+        SIM_SEED=$seed sim "e6-${t%%:*}-$mode-seed$seed" "$ro" $((ro * 30)) \
+          "topology = \"${t%%:*}\"\ninner_steps = 30\noverlap = \"$mode\"" '' \
+          --step-time-ms 25 --bandwidth-mbps "${t##*:}" --latency-ms 20 --eval-every 5
+      done
+    done
   done
 }
 

@@ -23,6 +23,7 @@ use gasloc_p2p::synthetic::SyntheticTrainer;
 use gasloc_p2p::upload_limit::{parse_rate, UploadLimiter};
 use gasloc_p2p::work::RoundWork;
 use gasloc_p2p::{Multiaddr, PeerId};
+use gasloc_proto::manifest::Overlap;
 use gasloc_proto::{RunId, RunManifest};
 use gasloc_status::{NodeMetrics, NodeState, NodeStatus, Reachability, StatusServer};
 use std::io::Write;
@@ -371,6 +372,7 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
             // A peer that served shard bytes that do not hash to the manifest's digest
             // offended.
             offences: data.offences(),
+            overlap: manifest.outer.overlap != Overlap::None,
         },
         status,
         stop: stop.clone(),

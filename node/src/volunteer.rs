@@ -24,6 +24,7 @@
 //! model plus the AdamW moments, the data cursor, the outer momentum and the next round.
 
 use crate::algo::outer::{mixed_pseudo_gradient, OuterOptimizer};
+use crate::algo::overlap::{LocalModel, OverlapError, OverlappedOuter};
 use crate::checkpoint::{self, Checkpoint};
 use crate::trainer::{validation_set, Trainer};
 use anyhow::{anyhow, bail, Context, Result};
@@ -42,6 +43,7 @@ use gasloc_proto::pace::{InnerSteps, MovingAverage};
 use gasloc_proto::wire::DType;
 use gasloc_proto::RunManifest;
 use sha2::{Digest, Sha256};
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -207,10 +209,9 @@ fn check_supported(m: &RunManifest) -> Result<()> {
     if m.outer.payload == Payload::Lordo || m.outer.inner_optimizer == InnerOptimizerKind::Lordo {
         bail!("[outer] payload/inner_optimizer = \"lordo\": join exchanges model-fp32 or model-bf16 payloads only (LoRDO runs in `gasloc-node sim`)");
     }
-    if m.outer.overlap != Overlap::None {
+    if m.outer.overlap == Overlap::Eager {
         bail!(
-            "[outer] overlap = {:?}: join runs blocking rounds only for now (overlapped rounds run in `gasloc-node sim`)",
-            m.outer.overlap.name()
+            "[outer] overlap = \"eager\": join runs overlap = \"none\" or \"delayed\" (eager overlap runs in `gasloc-node sim`: its outer step at the hand-off needs the round's row, which the trainer does not have yet)"
         );
     }
     Ok(())
@@ -237,6 +238,14 @@ struct RoundTrainer {
     /// The round of the anchor in the newest checkpoint written or resumed from.
     saved_round: Option<u64>,
     start: Start,
+    /// `[outer] overlap = "delayed"`: the round handed off to the exchange, whose outer step
+    /// comes while the next round trains.
+    overlap: Option<OverlappedOuter>,
+    /// The checkpoint a blocking node would write after the handed-off round (its AdamW
+    /// moments and data cursor at the hand-off), taken when that round's outer step saves.
+    checkpoint_at_hand_off: Option<Checkpoint>,
+    /// Requests that came while a round trained and must wait for its end.
+    deferred: VecDeque<Request>,
 }
 
 impl RoundTrainer {
@@ -322,15 +331,28 @@ impl RoundTrainer {
                 Start::Fresh => None,
             },
             start,
+            overlap: match manifest.outer.overlap {
+                Overlap::None => None,
+                mode => Some(OverlappedOuter::new(mode)?),
+            },
+            checkpoint_at_hand_off: None,
+            deferred: VecDeque::new(),
             options,
         })
     }
 
     fn serve(mut self, inbox: mpsc::Receiver<Request>) {
-        while let Ok(request) = inbox.recv() {
+        loop {
+            let request = match self.deferred.pop_front() {
+                Some(request) => request,
+                None => match inbox.recv() {
+                    Ok(request) => request,
+                    Err(_) => return,
+                },
+            };
             match request {
                 Request::Train(order, reply) => {
-                    let _ = reply.send(self.train(order));
+                    let _ = reply.send(self.train(order, &inbox));
                 }
                 Request::Screen(candidates, reply) => {
                     let _ = reply.send(self.screen(candidates));
@@ -374,29 +396,97 @@ impl RoundTrainer {
     /// Runs H_i inner steps: H with fixed H; with adaptive H_i, re-evaluated before every
     /// step with the driver's deadline (which moves once the neighbours are known) and the
     /// moving average of this node's step time — the simulator's rule (`pace`, §2).
-    fn train(&mut self, order: TrainOrder) -> Result<Trained> {
+    ///
+    /// With overlapped rounds the round before may still be exchanging: between two steps
+    /// its screening and outer step are served as they come ([`Self::serve_handed_off`]),
+    /// and after the last step this round waits for that outer step before it hands off
+    /// its own payload.
+    fn train(&mut self, order: TrainOrder, inbox: &mpsc::Receiver<Request>) -> Result<Trained> {
         let rule = InnerSteps::from_manifest(&self.options.manifest.outer);
         let mut loss_sum = 0.0;
         let mut steps = 0u64;
-        let began = Instant::now();
+        let mut busy = 0.0;
         loop {
+            self.serve_handed_off(inbox, false)?;
             let left = order.deadline.remaining(unix_ms()).as_secs_f64();
             if steps >= rule.for_deadline(steps, left, self.step_time.get()) {
                 break;
             }
             let t0 = Instant::now();
             let report = self.trainer.step()?;
-            self.step_time.observe(t0.elapsed().as_secs_f64());
+            let took = t0.elapsed().as_secs_f64();
+            self.step_time.observe(took);
+            busy += took;
             loss_sum += report.loss;
             steps += 1;
+        }
+        if self.overlap.is_some() {
+            self.serve_handed_off(inbox, true)?;
+            self.hand_off(order.round)?;
         }
         Ok(Trained {
             payload: self.payload()?,
             inner_steps: steps,
             step_time_s: self.step_time.get().unwrap_or(0.0),
-            train_s: began.elapsed().as_secs_f64(),
+            train_s: busy,
             train_loss: (steps > 0).then(|| loss_sum / steps as f64),
         })
+    }
+
+    /// Overlapped rounds: serves the screening and outer step of the round handed off while
+    /// the next one trains; any other request waits until the training ends. With `wait`,
+    /// blocks until that round's outer step is done (a round hands off only after the one
+    /// before is finished); without, serves what has come and returns.
+    fn serve_handed_off(&mut self, inbox: &mpsc::Receiver<Request>, wait: bool) -> Result<()> {
+        while self.pending_round().is_some() {
+            let request = if wait {
+                inbox
+                    .recv()
+                    .map_err(|_| anyhow!("the round driver left with a round exchanging"))?
+            } else {
+                match inbox.try_recv() {
+                    Ok(request) => request,
+                    Err(_) => return Ok(()),
+                }
+            };
+            match request {
+                Request::Screen(candidates, reply) => {
+                    let _ = reply.send(self.screen(candidates));
+                }
+                Request::Finish(received, reply) => {
+                    let _ = reply.send(self.finish(received));
+                }
+                other => self.deferred.push_back(other),
+            }
+        }
+        Ok(())
+    }
+
+    /// The round handed off to the exchange whose outer step is still to come (overlapped
+    /// rounds only).
+    fn pending_round(&self) -> Option<u64> {
+        self.overlap.as_ref().and_then(|o| o.pending_round())
+    }
+
+    /// Overlapped rounds: round `round`'s payload goes to the exchange and the next round
+    /// trains on from it. When that round's outer step will save a checkpoint, the moments
+    /// and data cursor are taken now, as a blocking node would save them.
+    fn hand_off(&mut self, round: u64) -> Result<()> {
+        let Some(overlap) = self.overlap.as_mut() else {
+            return Ok(());
+        };
+        let local: Vec<Tensor> = self.trainer.parameters();
+        overlap
+            .hand_off(round, None, &mut self.anchor, &mut self.outer, &local)
+            .map_err(|e| anyhow!("overlapped round {round}: {e}"))?;
+        let saves = self.options.checkpoint_every > 0
+            && self.rounds_since_checkpoint + 1 >= self.options.checkpoint_every;
+        self.checkpoint_at_hand_off = if saves {
+            Some(self.trainer.checkpoint()?)
+        } else {
+            None
+        };
+        Ok(())
     }
 
     /// The local model as the wire payload.
@@ -422,7 +512,7 @@ impl RoundTrainer {
         let own_delta: Vec<Tensor> = self
             .anchor
             .iter()
-            .zip(self.trainer.parameters())
+            .zip(self.own_payload_model())
             .map(|(a, x)| a - x)
             .collect();
         let own_distance = own_delta
@@ -518,9 +608,18 @@ impl RoundTrainer {
         })
     }
 
+    /// This node's model as it sent it this round: the trainer's parameters, or with
+    /// overlapped rounds the model handed off (the trainer has moved on since).
+    fn own_payload_model(&self) -> Vec<Tensor> {
+        match self.overlap.as_ref().and_then(|o| o.handed_off()) {
+            Some(handed) => handed.iter().map(Tensor::shallow_clone).collect(),
+            None => self.trainer.parameters(),
+        }
+    }
+
     fn finish(&mut self, received: Received) -> Result<Finished> {
         let device = self.trainer.device();
-        let own = self.trainer.parameters();
+        let own = self.own_payload_model();
         let mut models: Vec<(usize, Vec<Tensor>)> = Vec::with_capacity(received.payloads.len());
         for arrived in &received.payloads {
             let decoded = arrived
@@ -536,23 +635,54 @@ impl RoundTrainer {
         // The row is the round machine's: every neighbour term has its payload. Term
         // `mixing.worker` (and, should a payload ever be missing, that term too — which is
         // its weight returned to self) is this node's own model.
-        let delta = mixed_pseudo_gradient(&received.mixing, &self.anchor, |j| {
-            match models.iter().find(|(i, _)| *i == j) {
-                Some((_, m)) => &m[..],
-                None => &own[..],
-            }
-        });
-        self.outer.step(&mut self.anchor, &delta);
-        self.trainer.set_parameters(&self.anchor);
-        self.round = received.round + 1;
+        let model = |j: usize| match models.iter().find(|(i, _)| *i == j) {
+            Some((_, m)) => &m[..],
+            None => &own[..],
+        };
         let every = self.options.eval_every;
-        let val_loss = (every > 0 && !self.val.is_empty() && received.round.is_multiple_of(every))
-            .then(|| self.trainer.evaluate(&self.val));
+        let evaluate = every > 0 && !self.val.is_empty() && received.round.is_multiple_of(every);
+        let val_loss = match self.overlap.as_mut() {
+            None => {
+                let delta = mixed_pseudo_gradient(&received.mixing, &self.anchor, model);
+                self.outer.step(&mut self.anchor, &delta);
+                self.trainer.set_parameters(&self.anchor);
+                evaluate.then(|| self.trainer.evaluate(&self.val))
+            }
+            Some(overlap) => {
+                // The outer step of the round handed off; the steps the next round took
+                // since are carried onto the new anchor.
+                let overlapped = |e: OverlapError| anyhow!("round {}: {e}", received.round);
+                overlap
+                    .arrived(received.round, &received.mixing, model)
+                    .map_err(overlapped)?;
+                let local = self.trainer.parameters();
+                let carried = overlap
+                    .apply(&mut self.anchor, &mut self.outer, &local)
+                    .map_err(overlapped)?;
+                if let LocalModel::Replace(x) = carried {
+                    self.trainer.set_parameters(&x);
+                }
+                // The anchor is evaluated, not the model in training.
+                evaluate.then(|| {
+                    let training: Vec<Tensor> =
+                        self.trainer.parameters().iter().map(Tensor::copy).collect();
+                    self.trainer.set_parameters(&self.anchor);
+                    let loss = self.trainer.evaluate(&self.val);
+                    self.trainer.set_parameters(&training);
+                    loss
+                })
+            }
+        };
+        self.round = received.round + 1;
         self.rounds_since_checkpoint += 1;
         if self.options.checkpoint_every > 0
             && self.rounds_since_checkpoint >= self.options.checkpoint_every
         {
-            self.save()?;
+            let base = match self.checkpoint_at_hand_off.take() {
+                Some(at_hand_off) => at_hand_off,
+                None => self.trainer.checkpoint()?,
+            };
+            self.save_from(base)?;
         }
         Ok(Finished {
             state: match received.want_state {
@@ -619,9 +749,17 @@ impl RoundTrainer {
 
     /// Saves the anchor (not the half-trained local model) with the inner optimizer's
     /// moments, the data cursor, the outer momentum and the round it begins.
+    /// Saves the trainer's state as it stands with the anchor as its model (a pending
+    /// overlapped exchange is dropped: the node resumes at that round, from its anchor).
     fn save(&mut self) -> Result<()> {
+        let ckpt = self.trainer.checkpoint()?;
+        self.save_from(ckpt)
+    }
+
+    /// Saves `ckpt` (the trainer's moments and data cursor) with the anchor as its model,
+    /// the outer momentum, and the next round.
+    fn save_from(&mut self, mut ckpt: Checkpoint) -> Result<()> {
         let to_cpu = |t: &Tensor| t.detach().to_device(Device::Cpu);
-        let mut ckpt: Checkpoint = self.trainer.checkpoint()?;
         ckpt.model = self
             .names
             .iter()
@@ -727,7 +865,8 @@ mod tests {
         let refused = |outer: &str| check_supported(&manifest(outer)).unwrap_err().to_string();
         assert!(refused("algorithm = \"dadam\"").contains("algorithm"));
         assert!(refused("inner_optimizer = \"lordo\"").contains("lordo"));
-        let e = refused("overlap = \"delayed\"");
-        assert!(e.contains("overlap = \"delayed\""), "{e}");
+        assert!(check_supported(&manifest("overlap = \"delayed\"")).is_ok());
+        let e = refused("overlap = \"eager\"");
+        assert!(e.contains("overlap = \"eager\""), "{e}");
     }
 }

@@ -40,6 +40,7 @@ async fn main() -> Result<()> {
         nodes,
         rounds,
         withholder: None,
+        overlap: false,
         timing: Timing {
             genesis_ms: 0,
             period_ms: period,

@@ -51,6 +51,10 @@ pub struct DriverOptions {
     /// Offences found beside the rounds (bad shard bytes from the data fetch), counted with
     /// each round's own.
     pub offences: OffenceInbox,
+    /// Overlapped rounds (`[outer] overlap`): the next round trains while this one's
+    /// exchange and outer step run ([`MachineConfig::overlap`]); the work must take a
+    /// `finish` call while a `train` call is under way.
+    pub overlap: bool,
 }
 
 async fn join_opt<T>(handle: &mut Option<JoinHandle<T>>) -> Result<T, tokio::task::JoinError> {
@@ -127,6 +131,7 @@ impl RoundDriver {
                 .as_ref()
                 .map(|l| l.bytes_per_s()),
             withhold_reveals: self.options.withhold_reveals,
+            overlap: self.options.overlap,
         };
         let schedule = RoundSchedule::new(timing.clone(), *self.run_id.as_bytes(), me);
         let mut machine = RoundMachine::new(
@@ -146,6 +151,8 @@ impl RoundDriver {
         // The last payload gate's round, duration and readings, for that round's record.
         let mut gate_took: Option<(u64, Duration, Vec<GateReading>)> = None;
         let mut finishing: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Finished)>> = None;
+        // The round `finishing` finishes (with overlapped rounds not the one training).
+        let mut finishing_round = 0;
         let mut records = Vec::new();
         // Bans from an earlier life of this node hold from the start; the round's banned
         // neighbours are mixed as missing without an exchange.
@@ -185,7 +192,8 @@ impl RoundDriver {
                         banned_neighbours = banned;
                         let (service, table) = (self.service.clone(), table.clone());
                         let timeout = Duration::from_millis(timing.exchange_timeout_ms);
-                        let payload = payload.clone();
+                        // A payload is sent in one exchange: it moves into it.
+                        let payload = payload.take();
                         exchange = Some(tokio::spawn(async move {
                             // The payload is stored before the `Trained` input that leads
                             // here; without one, every neighbour fails and the round goes on.
@@ -221,7 +229,7 @@ impl RoundDriver {
                             }
                         }
                         arrived.clear();
-                        payload = None;
+                        finishing_round = round;
                         // The late-joiner state is made only when someone asked for it.
                         let want_state = self.service.take_state_wanted();
                         finishing = Some(ready_to_send(
@@ -336,8 +344,7 @@ impl RoundDriver {
                     finishing = None;
                     match done {
                         Ok((state, finished)) => {
-                            // One round is in flight: the one finishing.
-                            let round = machine.phase().map_or(0, |(round, _)| round);
+                            let round = finishing_round;
                             if let Some(state) = state {
                                 self.service.set_state(round + 1, state);
                             }

@@ -34,6 +34,8 @@ pub struct LocalSwarm {
     /// `/ip4/127.0.0.1/tcp/0` or `/ip4/127.0.0.1/udp/0/quic-v1`.
     pub listen: Multiaddr,
     pub run_id: RunId,
+    /// Overlapped rounds ([`DriverOptions::overlap`]).
+    pub overlap: bool,
 }
 
 /// The network settings of one local node.
@@ -110,6 +112,7 @@ impl LocalSwarm {
                     standing: PeerStanding::new(&GateConfig::default(), Vec::new()),
                     ban_file: None,
                     offences: Default::default(),
+                    overlap: self.overlap,
                 },
                 status: tokio::sync::watch::channel(Default::default()).0,
                 stop: Default::default(),

@@ -56,6 +56,11 @@ pub struct MachineConfig {
     pub upload_cap: Option<u64>,
     /// Fault injection for tests: never publish reveals (the node gets excluded).
     pub withhold_reveals: bool,
+    /// Overlapped rounds (`[outer] overlap` other than `none`): the inner steps' deadline
+    /// reserves no time for the exchange, and once a round's exchange has started the next
+    /// round may start training beside it. At most one round is handed off: the next one
+    /// exchanges only after it has finished.
+    pub overlap: bool,
 }
 
 /// What happened, as the caller tells it.
@@ -204,7 +209,10 @@ pub struct RoundMachine {
     early_plans: HashMap<u64, (RoundPlan, u64)>,
     /// Control messages received per round they are about.
     control_counts: HashMap<u64, u64>,
+    /// The round training or agreeing (with blocking rounds, also exchanging and finishing).
     active: Option<InFlight>,
+    /// Overlapped rounds: the round exchanging or finishing while `active` trains.
+    handed_off: Option<InFlight>,
     stopping: bool,
     /// What this node announces beside its commits.
     last_inner_steps: u64,
@@ -240,6 +248,7 @@ impl RoundMachine {
             early_plans: HashMap::new(),
             control_counts: HashMap::new(),
             active: None,
+            handed_off: None,
             stopping: false,
             last_inner_steps: 0,
             last_step_time_s: 0.0,
@@ -255,9 +264,16 @@ impl RoundMachine {
         &self.schedule
     }
 
-    /// The round in flight and its phase.
+    /// The round in flight and its phase (with overlapped rounds: the round training or
+    /// agreeing, not the one handed off).
     pub fn phase(&self) -> Option<(u64, Phase)> {
         self.active.as_ref().map(|a| (a.round, a.phase))
+    }
+
+    /// Overlapped rounds: the round whose exchange or outer step is under way beside the
+    /// next round's training, and its phase.
+    pub fn handed_off(&self) -> Option<(u64, Phase)> {
+        self.handed_off.as_ref().map(|a| (a.round, a.phase))
     }
 
     /// Rounds finished, and rounds committed to but missed.
@@ -269,7 +285,7 @@ impl RoundMachine {
     /// and no round is in flight.
     pub fn is_done(&self) -> bool {
         self.finished + self.skipped >= self.config.rounds
-            || (self.stopping && self.active.is_none())
+            || (self.stopping && self.active.is_none() && self.handed_off.is_none())
     }
 
     /// When the machine next has something to do without an input (Unix ms).
@@ -351,10 +367,22 @@ impl RoundMachine {
 
     /// The round in flight if it is `round` in `phase`: a result for any other is stale or
     /// out of order, and ignored.
-    fn in_flight(active: &mut Option<InFlight>, round: u64, phase: Phase) -> Option<&mut InFlight> {
-        let a = active
-            .as_mut()
-            .filter(|a| a.round == round && a.phase == phase);
+    /// The exchange time a round's inner steps leave room for: the predicted exchange, or
+    /// none when rounds overlap (the exchange runs beside the next round's steps).
+    fn reserved_exchange_s(&self, predicted_s: f64) -> f64 {
+        if self.config.overlap {
+            0.0
+        } else {
+            predicted_s
+        }
+    }
+
+    /// The round `round` if it is in flight in `phase` (in either slot).
+    fn in_flight(&mut self, round: u64, phase: Phase) -> Option<&mut InFlight> {
+        let a = [&mut self.active, &mut self.handed_off]
+            .into_iter()
+            .filter_map(|slot| slot.as_mut())
+            .find(|a| a.round == round && a.phase == phase);
         if a.is_none() {
             tracing::debug!(
                 round,
@@ -374,7 +402,7 @@ impl RoundMachine {
         out: &mut Vec<Output>,
     ) {
         let (inner_steps, step_time_s, train_s, train_loss) = trained;
-        let Some(a) = Self::in_flight(&mut self.active, round, Phase::Training) else {
+        let Some(a) = self.in_flight(round, Phase::Training) else {
             return;
         };
         a.inner_steps = inner_steps;
@@ -400,7 +428,8 @@ impl RoundMachine {
         now: u64,
         out: &mut Vec<Output>,
     ) {
-        let Some(a) = Self::in_flight(&mut self.active, round, Phase::Exchanging) else {
+        let (me, topology) = (self.me, self.schedule.timing().topology);
+        let Some(a) = self.in_flight(round, Phase::Exchanging) else {
             return;
         };
         let neighbours = a.plan.as_ref().map_or(&[][..], |p| &p.neighbours[..]);
@@ -422,11 +451,12 @@ impl RoundMachine {
                 _ => None,
             })
             .collect();
-        self.links
-            .record_exchange(self.config.payload_bytes, ordered.len(), &swaps);
+        let exchanged_with = ordered.len();
         a.outcomes = ordered;
         a.exchange_done_ms = Some(now);
-        Self::start_finish(&self.me, self.schedule.timing().topology, a, out);
+        Self::start_finish(&me, topology, a, out);
+        self.links
+            .record_exchange(self.config.payload_bytes, exchanged_with, &swaps);
     }
 
     /// The round's mixing row from its plan and outcomes, and the order to apply it.
@@ -457,17 +487,21 @@ impl RoundMachine {
     }
 
     fn on_finished(&mut self, round: u64, val_loss: Option<f64>, now: u64, out: &mut Vec<Output>) {
-        if Self::in_flight(&mut self.active, round, Phase::Finishing).is_none() {
+        if self.in_flight(round, Phase::Finishing).is_none() {
             return;
         }
-        let a = self.active.take().expect("checked above");
+        let slot = match &self.handed_off {
+            Some(h) if h.round == round => &mut self.handed_off,
+            _ => &mut self.active,
+        };
+        let a = slot.take().expect("checked above");
         let finish_started = a.exchange_done_ms.unwrap_or(now);
         self.finish_time
             .observe(now.saturating_sub(finish_started) as f64 / 1000.0);
         // The round's wall time: from the end of the round before, when this node finished
         // it (the idle time between two rounds is the trainer's too), else from its start.
         let wall_from = match self.last_finished {
-            Some((r, at)) if r + 1 == round => at.min(a.started_ms),
+            Some((r, at)) if r + 1 == round => at,
             _ => a.started_ms,
         };
         let mut record = self.make_record(a, val_loss, now);
@@ -476,7 +510,8 @@ impl RoundMachine {
         record.control_messages = self.control_counts.remove(&round).unwrap_or(0);
         self.control_counts.retain(|&r, _| r > round);
         self.finished += 1;
-        self.next_round = round + 1;
+        // (With overlapped rounds the next one may have started already.)
+        self.next_round = self.next_round.max(round + 1);
         self.last_finished = Some((round, now));
         out.push(Output::Record(Box::new(record)));
     }
@@ -579,9 +614,15 @@ impl RoundMachine {
                 None,
                 self.config.upload_cap,
             );
-            let deadline_ms = train_deadline(&timing, round, predicted, self.finish_time.get());
+            let deadline_ms = train_deadline(
+                &timing,
+                round,
+                self.reserved_exchange_s(predicted),
+                self.finish_time.get(),
+            );
             out.push(Output::Status(StatusChange::RoundStarted(round)));
             out.push(Output::StartTraining { round, deadline_ms });
+            self.next_round = round + 1;
             self.active = Some(InFlight {
                 round,
                 phase: Phase::Training,
@@ -634,7 +675,8 @@ impl RoundMachine {
         );
         a.predicted_exchange_s = predicted;
         a.decided_at_ms = decided_at;
-        let deadline_ms = train_deadline(&timing, a.round, predicted, self.finish_time.get());
+        let reserved = if self.config.overlap { 0.0 } else { predicted };
+        let deadline_ms = train_deadline(&timing, a.round, reserved, self.finish_time.get());
         if a.phase == Phase::Training && deadline_ms != a.deadline_ms {
             a.deadline_ms = deadline_ms;
             out.push(Output::MoveDeadline {
@@ -645,9 +687,14 @@ impl RoundMachine {
         a.plan = Some(plan);
     }
 
-    /// Starts the exchange once both the plan and the payload are there.
+    /// Starts the exchange once both the plan and the payload are there (with overlapped
+    /// rounds, once the round handed off before is finished too) and, with overlapped
+    /// rounds, hands the round off so that the next one may start training.
     fn exchange_if_ready(&mut self, now: u64, out: &mut Vec<Output>) {
         let (me, topology) = (self.me, self.schedule.timing().topology);
+        if self.config.overlap && self.handed_off.is_some() {
+            return;
+        }
         let Some(a) = self.active.as_mut() else {
             return;
         };
@@ -661,14 +708,19 @@ impl RoundMachine {
         if plan.neighbours.is_empty() {
             a.exchange_done_ms = Some(now);
             Self::start_finish(&me, topology, a, out);
-            return;
+        } else {
+            a.phase = Phase::Exchanging;
+            out.push(Output::Status(StatusChange::Exchanging));
+            out.push(Output::StartExchange {
+                round: a.round,
+                neighbours: plan.neighbours.clone(),
+            });
         }
-        a.phase = Phase::Exchanging;
-        out.push(Output::Status(StatusChange::Exchanging));
-        out.push(Output::StartExchange {
-            round: a.round,
-            neighbours: plan.neighbours.clone(),
-        });
+        if self.config.overlap {
+            self.handed_off = self.active.take();
+            // The next round may be due already.
+            self.start_round_if_due(now, out);
+        }
     }
 
     fn make_record(&self, a: InFlight, val_loss: Option<f64>, now: u64) -> RoundRecord {
@@ -812,6 +864,16 @@ mod tests {
 
     impl Swarm {
         fn new(n: usize, topology: Topology, rounds: u64, now: u64) -> Swarm {
+            Swarm::with_overlap(n, topology, rounds, now, false)
+        }
+
+        fn with_overlap(
+            n: usize,
+            topology: Topology,
+            rounds: u64,
+            now: u64,
+            overlap: bool,
+        ) -> Swarm {
             let machines = (0..n)
                 .map(|i| {
                     let config = MachineConfig {
@@ -819,6 +881,7 @@ mod tests {
                         payload_bytes: 1000,
                         upload_cap: None,
                         withhold_reveals: false,
+                        overlap,
                     };
                     let schedule = RoundSchedule::new(timing(topology), [7; 32], peer(i));
                     let nonces = StdRng::seed_from_u64(i as u64);
@@ -1224,6 +1287,143 @@ mod tests {
     }
 
     #[test]
+    fn overlapped_rounds_train_the_next_round_while_the_one_before_exchanges() {
+        let mut s = Swarm::with_overlap(2, Topology::OnePeer, 3, start(0) - PERIOD, true);
+        s.tick(start(0) - 1000);
+        let started = s.tick(start(0));
+        // No exchange time reserved: the deadline leaves the margin (5 % of the period) only.
+        assert_eq!(training_of(&started[0]), Some((0, start(1) - 500)));
+        s.tick(start(0) + 1000);
+        // Everyone commits to round 1; round 0 ends its steps near the round's end and hands
+        // off its payload.
+        s.tick(start(1) - 1000);
+        let out = s.input(0, trained(0), start(1) - 400);
+        assert_eq!(exchange_of(&out), Some(vec![peer(1)]));
+        assert_eq!(s.machines[0].phase(), None, "round 0 is handed off");
+        assert_eq!(s.machines[0].handed_off(), Some((0, Phase::Exchanging)));
+        // Round 1 starts on time, its exchange of round 0 still under way.
+        let started = s.input(0, Input::Tick, start(1));
+        assert_eq!(training_of(&started), Some((1, start(2) - 500)));
+        assert_eq!(s.machines[0].phase(), Some((1, Phase::Training)));
+        // Round 0's exchange and outer step end during round 1: its record.
+        let out = s.input(
+            0,
+            Input::Exchanged {
+                round: 0,
+                outcomes: vec![(peer(1), swapped())],
+            },
+            start(1) + 2000,
+        );
+        assert!(finish_of(&out).is_some());
+        let out = s.input(
+            0,
+            Input::Finished {
+                round: 0,
+                val_loss: None,
+            },
+            start(1) + 2100,
+        );
+        let record = record_of(&out).unwrap();
+        assert_eq!((record.round, record.exchanged.len()), (0, 1));
+        assert_eq!(s.machines[0].handed_off(), None);
+        assert_eq!(s.machines[0].phase(), Some((1, Phase::Training)));
+    }
+
+    #[test]
+    fn an_overlapped_round_exchanges_only_after_the_round_before_is_finished() {
+        let mut s = Swarm::with_overlap(2, Topology::OnePeer, 3, start(0) - PERIOD, true);
+        s.tick(start(0) - 1000);
+        s.tick(start(0));
+        s.tick(start(0) + 1000);
+        s.tick(start(1) - 1000);
+        assert!(exchange_of(&s.input(0, trained(0), start(1) - 400)).is_some());
+        s.tick(start(1));
+        s.tick(start(1) + 1000);
+        s.tick(start(2) - 1000);
+        // Round 1's payload is ready while round 0 still exchanges: it waits.
+        let out = s.input(0, trained(1), start(2) - 400);
+        assert_eq!(exchange_of(&out), None);
+        assert_eq!(s.machines[0].phase(), Some((1, Phase::Agreeing)));
+        let out = s.input(
+            0,
+            Input::Exchanged {
+                round: 0,
+                outcomes: vec![(peer(1), swapped())],
+            },
+            start(2) - 300,
+        );
+        assert!(finish_of(&out).is_some());
+        assert_eq!(exchange_of(&out), None, "not before round 0's outer step");
+        let out = s.input(
+            0,
+            Input::Finished {
+                round: 0,
+                val_loss: None,
+            },
+            start(2) - 200,
+        );
+        assert_eq!(record_of(&out).map(|r| r.round), Some(0));
+        assert_eq!(
+            exchange_of(&out),
+            Some(vec![peer(1)]),
+            "round 1 hands off now"
+        );
+        assert_eq!(s.machines[0].handed_off(), Some((1, Phase::Exchanging)));
+        // Its wall time counts from round 0's end.
+        let out = s.input(
+            0,
+            Input::Exchanged {
+                round: 1,
+                outcomes: vec![(peer(1), swapped())],
+            },
+            start(2) + 100,
+        );
+        assert!(finish_of(&out).is_some());
+        let out = s.input(
+            0,
+            Input::Finished {
+                round: 1,
+                val_loss: None,
+            },
+            start(2) + 200,
+        );
+        let record = record_of(&out).unwrap();
+        assert_eq!(record.wall_s, 0.4);
+    }
+
+    #[test]
+    fn a_stop_waits_for_the_handed_off_round_too() {
+        let mut s = Swarm::with_overlap(2, Topology::OnePeer, 5, start(0) - PERIOD, true);
+        s.tick(start(0) - 1000);
+        s.tick(start(0));
+        s.tick(start(0) + 1000);
+        s.tick(start(1) - 1000);
+        s.input(0, trained(0), start(1) - 400);
+        s.tick(start(1));
+        assert_eq!(s.machines[0].phase(), Some((1, Phase::Training)));
+        s.input(0, Input::Stop, start(1) + 100);
+        assert!(!s.machines[0].is_done(), "rounds 0 and 1 are in flight");
+        let out = s.input(
+            0,
+            Input::Exchanged {
+                round: 0,
+                outcomes: vec![(peer(1), swapped())],
+            },
+            start(1) + 200,
+        );
+        assert!(finish_of(&out).is_some());
+        s.input(
+            0,
+            Input::Finished {
+                round: 0,
+                val_loss: None,
+            },
+            start(1) + 300,
+        );
+        assert!(!s.machines[0].is_done(), "round 1 is still training");
+    }
+
+    #[test]
     fn a_stop_between_rounds_is_done_at_once() {
         let mut s = Swarm::new(1, Topology::OnePeer, 10, start(0) - PERIOD);
         s.tick(start(0) - 1000);
@@ -1233,14 +1433,21 @@ mod tests {
 
     #[test]
     fn inputs_in_any_order_never_panic() {
+        for overlap in [false, true] {
+            inputs_in_any_order(overlap);
+        }
+    }
+
+    fn inputs_in_any_order(overlap: bool) {
         let mut rng = StdRng::seed_from_u64(11);
-        let mut s = Swarm::new(3, Topology::TwoPeer, 20, start(0) - PERIOD);
+        let mut s = Swarm::with_overlap(3, Topology::TwoPeer, 20, start(0) - PERIOD, overlap);
         let mut now = start(0) - PERIOD;
         for _ in 0..5000 {
             now += rng.random_range(0..400);
             let i = rng.random_range(0..3);
             let round = s.machines[i]
                 .phase()
+                .or(s.machines[i].handed_off())
                 .map_or(0, |(r, _)| r)
                 .saturating_add_signed(rng.random_range(-1..=1));
             let neighbour = peer(rng.random_range(0..4));
@@ -1274,6 +1481,12 @@ mod tests {
             let m = &s.machines[i];
             let (finished, skipped) = m.rounds_done();
             assert!(finished + skipped <= 20);
+            if let (Some((training, _)), Some((handed, _))) = (m.phase(), m.handed_off()) {
+                assert!(
+                    overlap && handed < training,
+                    "{handed} handed off, {training} training"
+                );
+            }
         }
     }
 }

@@ -349,6 +349,7 @@ impl Sim {
                     payload_bytes: config.payload_bytes,
                     upload_cap: None,
                     withhold_reveals: false,
+                    overlap: false,
                 };
                 let schedule = RoundSchedule::new(config.timing.clone(), run_id, *peer);
                 let nonces = StdRng::seed_from_u64(rng.random());

@@ -18,11 +18,22 @@ async fn run_swarm(
     withholder: Option<usize>,
     topology: Topology,
 ) -> Vec<Vec<RoundRecord>> {
+    run_swarm_with(nodes, rounds, withholder, topology, false).await
+}
+
+async fn run_swarm_with(
+    nodes: usize,
+    rounds: u64,
+    withholder: Option<usize>,
+    topology: Topology,
+    overlap: bool,
+) -> Vec<Vec<RoundRecord>> {
     init_tracing();
     LocalSwarm {
         nodes,
         rounds,
         withholder,
+        overlap,
         timing: Timing {
             genesis_ms: 0,
             // Generous windows: 16 nodes share 2 cores with the rest of the test suite, and
@@ -113,5 +124,26 @@ async fn a_node_whose_reveals_are_dropped_is_excluded_and_the_rest_agree() {
             assert_eq!(r.neighbours.len(), 2);
             assert_eq!(r.exchanged.len(), 2, "round {round}: {:?}", r.failed);
         }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapped_rounds_agree_and_exchange_on_a_real_swarm() {
+    // The round driver with two rounds in flight (one training, one handed off): the same
+    // plans everywhere, every exchange done, every round recorded once, in order.
+    let all = run_swarm_with(4, 5, None, Topology::OnePeer, true).await;
+    let rounds = by_round(&all);
+    assert_eq!(rounds.len(), 5);
+    for (round, records) in &rounds {
+        assert_eq!(records.len(), 4, "round {round}");
+        for r in records {
+            assert_eq!(r.permutation, records[0].permutation, "round {round}");
+            assert_eq!(r.exchanged, r.neighbours, "round {round}: {:?}", r.failed);
+            assert!((0.0..=1.0).contains(&r.compute_utilization));
+        }
+    }
+    for records in &all {
+        let order: Vec<u64> = records.iter().map(|r| r.round).collect();
+        assert_eq!(order, (0..5).collect::<Vec<_>>());
     }
 }

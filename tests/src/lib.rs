@@ -100,6 +100,25 @@ impl Proc {
         );
     }
 
+    /// Waits (bounded) for a `checkpoint=… round=R` line with `R ≥ min_round`; returns the
+    /// highest such round.
+    pub fn wait_for_checkpoint_round(&self, min_round: u64, bound: Duration) -> u64 {
+        let start = Instant::now();
+        while start.elapsed() < bound {
+            let round = self
+                .output()
+                .lines()
+                .filter(|l| l.starts_with("checkpoint="))
+                .filter_map(|l| field(l, "round")?.parse::<u64>().ok())
+                .max();
+            if let Some(r) = round.filter(|&r| r >= min_round) {
+                return r;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("{} wrote no checkpoint of round ≥ {min_round}", self.name);
+    }
+
     /// Waits (bounded) for the process to exit; returns whether it succeeded.
     pub fn wait_exit(&mut self, bound: Duration) -> bool {
         let start = Instant::now();
@@ -195,6 +214,33 @@ pub fn start_bootstrap(
         .args(["--reveal-window-ms", &window_ms.to_string()])
         .args(["--exchange-timeout-ms", &exchange_timeout_ms.to_string()]);
     spawn_bootstrap(dir, "bootstrap", command)
+}
+
+/// The swarm of the training tests: writes `dir/run.toml` (the tiny run `name` with `outer`),
+/// prepares the byte data and starts a bootstrap with rounds of 5 s (1 s of agreement,
+/// exchanges of at most 3 s, genesis 6 s away). Returns the bootstrap, its address and the
+/// data directory.
+pub fn start_training_swarm(
+    dir: &Path,
+    name: &str,
+    seed: u64,
+    outer: &str,
+) -> (Proc, String, PathBuf) {
+    let manifest = dir.join("run.toml");
+    std::fs::write(&manifest, tiny_run(name, seed, outer)).unwrap();
+    let data = prepare_byte_data(dir);
+    let (bootstrap, boot) = start_bootstrap(dir, &manifest, 6000, 5000, 500, 3000);
+    (bootstrap, boot, data)
+}
+
+/// Spawns `node<i>`: a [`join_command`] with its home in `dir/node<i>`.
+pub fn start_join(dir: &Path, boot: &str, data: &Path, i: usize, extra: &[&str]) -> Proc {
+    let home = dir.join(format!("node{i}"));
+    Proc::spawn(
+        &format!("node{i}"),
+        dir,
+        join_command(boot, &home, data, extra),
+    )
 }
 
 /// `gasloc-node join` on loopback with its own home under `dir`, one libtorch thread.

@@ -509,7 +509,22 @@ fn a_joiner_trains_on_its_first_shard_while_the_rest_arrive() {
     let losses = val_losses(&home);
     let best = losses.iter().cloned().fold(f64::INFINITY, f64::min);
     assert!(
-        losses.len() >= 4 && best < losses[0] && losses.iter().all(|&l| l < 2.5),
-        "the joiner's validation loss falls: {losses:?}"
+        losses.len() >= 4 && losses.iter().all(|&l| l < 2.5),
+        "the joiner trains: {losses:?}"
     );
+    // A joiner that synced its partner's state starts where the swarm is (near the floor of
+    // the memorised test text when the partner had trained a few rounds): it keeps that
+    // level. One that started from the seed learns.
+    if out.contains("state_synced_from=") {
+        let (first, last) = (losses[0], *losses.last().unwrap());
+        assert!(
+            last <= first + 0.1,
+            "the joiner lost the synced state's level: {losses:?}"
+        );
+    } else {
+        assert!(
+            best < losses[0],
+            "the joiner's validation loss falls: {losses:?}"
+        );
+    }
 }

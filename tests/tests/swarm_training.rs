@@ -12,8 +12,8 @@
 //! mean is within a stated margin of one node trained alone for as many steps.
 
 use gasloc_tests::{
-    built_binary, field, join_command, prepare_byte_data, read_report, start_bootstrap, tiny_run,
-    Proc, ADAPTIVE_ONE_PEER,
+    built_binary, field, join_command, read_report, start_join, start_training_swarm, Proc,
+    ADAPTIVE_ONE_PEER,
 };
 use serde_json::Value;
 use std::path::Path;
@@ -46,23 +46,10 @@ fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
-    std::fs::write(
-        &manifest,
-        tiny_run("swarm-training-test", 11, ADAPTIVE_ONE_PEER),
-    )
-    .unwrap();
-    let data = prepare_byte_data(dir);
-
-    // Rounds of 5 s: 1 s of agreement, exchanges of at most 3 s.
-    let (_bootstrap, boot) = start_bootstrap(dir, &manifest, 6000, 5000, 500, 3000);
+    let (_bootstrap, boot, data) =
+        start_training_swarm(dir, "swarm-training-test", 11, ADAPTIVE_ONE_PEER);
     let home = |i: usize| dir.join(format!("node{i}"));
-    let start_node = |i: usize, extra: &[&str]| {
-        Proc::spawn(
-            &format!("node{i}"),
-            dir,
-            join_command(&boot, &home(i), &data, extra),
-        )
-    };
+    let start_node = |i: usize, extra: &[&str]| start_join(dir, &boot, &data, i, extra);
     // The tiny model is 131 k parameters, 0.53 MB per payload: at 350 kB/s node 2 needs
     // 1.5 s to send it, the others a few milliseconds.
     let mut nodes: Vec<Proc> = (1..=4)
@@ -81,7 +68,7 @@ fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
     // Node 4: killed after its second checkpoint, restarted two rounds later.
     let long = Duration::from_secs(90);
     nodes[3].wait_for_line("checkpoint=", long);
-    let saved = wait_for_checkpoint_round(&nodes[3], 2, long);
+    let saved = nodes[3].wait_for_checkpoint_round(2, long);
     nodes[3].child.kill().unwrap();
     nodes[3].child.wait().unwrap();
     let killed_after = read_report(&home(4)).len();
@@ -340,25 +327,6 @@ fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
         "swarm mean val_loss {swarm_mean} is not within 0.25 nats of one node alone ({alone})"
     );
 }
-
-/// The round of the newest checkpoint line once it is at least `min_round`.
-fn wait_for_checkpoint_round(node: &Proc, min_round: u64, bound: Duration) -> u64 {
-    let start = std::time::Instant::now();
-    while start.elapsed() < bound {
-        let round = node
-            .output()
-            .lines()
-            .filter(|l| l.starts_with("checkpoint="))
-            .filter_map(|l| field(l, "round")?.parse::<u64>().ok())
-            .max();
-        if let Some(r) = round.filter(|&r| r >= min_round) {
-            return r;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("{} wrote no checkpoint of round ≥ {min_round}", node.name);
-}
-
 /// `gasloc-node train` for `steps` steps alone, then `gasloc-node eval`: its final
 /// validation loss (same validation batches as the swarm nodes).
 fn train_alone(dir: &Path, manifest: &Path, data: &Path, steps: u64) -> f64 {

@@ -128,8 +128,8 @@ struct Pending {
     anchor: Vec<Tensor>,
     /// `x_t`, the local model handed to the exchange.
     handed_off: Vec<Tensor>,
-    /// Round t's row as planned (eager's own term used its self weight).
-    nominal: MixingRow,
+    /// Round t's row as planned (eager's own term used its self weight; delayed needs none).
+    nominal: Option<MixingRow>,
     /// What the exchange gave, once it arrived: `Δ_t` (delayed) or `L_t` (eager).
     arrived: Option<Option<Vec<Tensor>>>,
 }
@@ -164,6 +164,10 @@ pub enum OverlapError {
     NotPending(u64),
     #[error("round {0}'s exchange has not arrived yet")]
     NotArrived(u64),
+    #[error(
+        "round {0}: eager overlap takes its outer step at the hand-off and needs the round's row"
+    )]
+    EagerNeedsRow(u64),
 }
 
 impl OverlappedOuter {
@@ -187,13 +191,20 @@ impl OverlappedOuter {
         self.pending.as_ref().map(|p| p.round)
     }
 
+    /// The local model handed to the pending exchange (`x_t`), if any: the worker's own
+    /// payload, which the payload gate measures the received ones against.
+    pub fn handed_off(&self) -> Option<&[Tensor]> {
+        self.pending.as_ref().map(|p| &p.handed_off[..])
+    }
+
     /// Round `round`'s inner steps ended with `local` (`x_t`), handed to the exchange with the
-    /// planned row `nominal`. Eager takes its outer step here and returns the new anchor as
-    /// the local model; delayed changes nothing.
+    /// planned row `nominal`. Eager takes its outer step here with the row's self weight and
+    /// returns the new anchor as the local model (it needs the row); delayed changes nothing
+    /// (it needs none: the networked node hands off before it knows the row).
     pub fn hand_off(
         &mut self,
         round: u64,
-        nominal: &MixingRow,
+        nominal: Option<&MixingRow>,
         anchor: &mut [Tensor],
         outer: &mut OuterOptimizer,
         local: &[Tensor],
@@ -204,13 +215,19 @@ impl OverlappedOuter {
                 pending: p.round,
             });
         }
+        let nominal = match (self.mode, nominal) {
+            (Overlap::Eager, None) => return Err(OverlapError::EagerNeedsRow(round)),
+            (_, Some(row)) => Some(row.clone()),
+            (_, None) => None,
+        };
         let handed_off = copies(local);
         let theta = copies(anchor);
         let changed = match self.mode {
             Overlap::None => return Err(OverlapError::NotOverlapped),
             Overlap::Delayed => LocalModel::Unchanged,
             Overlap::Eager => {
-                let mut delta = own_term(nominal, anchor, &handed_off);
+                let row = nominal.as_ref().expect("checked above");
+                let mut delta = own_term(row, anchor, &handed_off);
                 if let Some(late) = self.late.take() {
                     let _guard = tch::no_grad_guard();
                     for (d, l) in delta.iter_mut().zip(&late) {
@@ -225,7 +242,7 @@ impl OverlappedOuter {
             round,
             anchor: theta,
             handed_off,
-            nominal: nominal.clone(),
+            nominal,
             arrived: None,
         });
         Ok(changed)
@@ -257,7 +274,12 @@ impl OverlappedOuter {
         };
         let gives = match mode {
             Overlap::Delayed => Some(mixed_pseudo_gradient(applied, theta, model)),
-            _ => late_term(&p.nominal, applied, theta, model),
+            _ => late_term(
+                p.nominal.as_ref().expect("eager hands off with its row"),
+                applied,
+                theta,
+                model,
+            ),
         };
         p.arrived = Some(gives);
         Ok(())
@@ -386,13 +408,7 @@ mod tests {
             blocking(&row, &mut a_block, &mut o_block, &models);
             let handed = &models[0];
             let kept = overlap
-                .hand_off(
-                    round,
-                    &MixingRow::uniform(0, &[1, 2]),
-                    &mut a_over,
-                    &mut o_over,
-                    handed,
-                )
+                .hand_off(round, None, &mut a_over, &mut o_over, handed)
                 .unwrap();
             assert!(matches!(kept, LocalModel::Unchanged));
             overlap.arrived(round, &row, |j| &models[j]).unwrap();
@@ -421,7 +437,7 @@ mod tests {
         let mut overlap = OverlappedOuter::new(Overlap::Delayed).unwrap();
         let row = MixingRow::uniform(0, &[1]);
         overlap
-            .hand_off(7, &row, &mut anchor, &mut outer, &handed)
+            .hand_off(7, Some(&row), &mut anchor, &mut outer, &handed)
             .unwrap();
         let neighbour = model(3);
         overlap.arrived(7, &row, |_| &neighbour).unwrap();
@@ -451,7 +467,7 @@ mod tests {
         let mut overlap = OverlappedOuter::new(Overlap::Eager).unwrap();
         // Round 0: own term at once, from θ_0.
         let LocalModel::Replace(local) = overlap
-            .hand_off(0, &nominal, &mut anchor, &mut outer, &models[0])
+            .hand_off(0, Some(&nominal), &mut anchor, &mut outer, &models[0])
             .unwrap()
         else {
             panic!("eager replaces the local model");
@@ -493,7 +509,7 @@ mod tests {
         for round in 0..3 {
             blocking(&alone, &mut a_block, &mut o_block, &models);
             overlap
-                .hand_off(round, &alone, &mut a_over, &mut o_over, &models[0])
+                .hand_off(round, Some(&alone), &mut a_over, &mut o_over, &models[0])
                 .unwrap();
             overlap.arrived(round, &alone, |j| &models[j]).unwrap();
             overlap.apply(&mut a_over, &mut o_over, &models[0]).unwrap();
@@ -512,17 +528,24 @@ mod tests {
             OverlappedOuter::new(Overlap::None).err(),
             Some(OverlapError::NotOverlapped)
         );
+        let mut eager = OverlappedOuter::new(Overlap::Eager).unwrap();
+        assert_eq!(
+            eager
+                .hand_off(2, None, &mut anchor, &mut outer, &local)
+                .err(),
+            Some(OverlapError::EagerNeedsRow(2))
+        );
         let mut overlap = OverlappedOuter::new(Overlap::Delayed).unwrap();
         assert_eq!(
             overlap.arrived(3, &row, |_| &local).err(),
             Some(OverlapError::NotPending(3))
         );
         overlap
-            .hand_off(3, &row, &mut anchor, &mut outer, &local)
+            .hand_off(3, Some(&row), &mut anchor, &mut outer, &local)
             .unwrap();
         assert_eq!(
             overlap
-                .hand_off(4, &row, &mut anchor, &mut outer, &local)
+                .hand_off(4, Some(&row), &mut anchor, &mut outer, &local)
                 .err(),
             Some(OverlapError::StillPending {
                 handing: 4,

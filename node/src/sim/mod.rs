@@ -464,9 +464,13 @@ impl Simulation {
             let w = &mut self.workers[i];
             let local = copies(&w.trainer.parameters());
             let overlap = w.overlap.as_mut().expect("an overlapped run");
-            if let LocalModel::Replace(x) =
-                overlap.hand_off(self.round, &rows[i], &mut w.anchor, &mut w.outer, &local)?
-            {
+            if let LocalModel::Replace(x) = overlap.hand_off(
+                self.round,
+                Some(&rows[i]),
+                &mut w.anchor,
+                &mut w.outer,
+                &local,
+            )? {
                 w.trainer.set_parameters(&x);
             }
             losses.push(sum / h.max(1) as f64);

@@ -280,6 +280,7 @@ pub async fn start_adversary(
             standing: PeerStanding::new(&manifest.gate, Vec::new()),
             ban_file: None,
             offences: Default::default(),
+            overlap: false,
         },
         status: tokio::sync::watch::channel(Default::default()).0,
         stop: Default::default(),
