@@ -3,7 +3,8 @@
 
 usage: bench/sim_table.py [--target LOSS] runs/exp/e1-* …
 Columns: final and best validation loss, final consensus distance, mean H, bytes one
-worker sends per round (and as a multiple of the fp32 model), simulated wall-clock, and with
+worker sends per round (and as a multiple of the fp32 model), simulated wall-clock, compute
+utilisation (inner-step time over simulated wall time; "-" for runs from before it), and with
 --target the simulated time of the first evaluation at or below LOSS.
 """
 import json
@@ -15,7 +16,7 @@ def main(argv):
     target = None
     if argv[:1] == ["--target"]:
         target, argv = float(argv[1]), argv[2:]
-    head = "| run | final val | best val | consensus | mean H | bytes/worker/round | × fp32 model | sim time (s) |"
+    head = "| run | final val | best val | consensus | mean H | bytes/worker/round | × fp32 model | sim time (s) | utilisation |"
     if target is not None:
         head += f" time to ≤ {target} (s) |"
     print(head)
@@ -27,7 +28,8 @@ def main(argv):
             f"| {Path(d).name} | {s['final_val_loss']:.4f} | {s['best_val_loss']:.4f} | "
             f"{s['final_consensus']:.2e} | {s['inner_steps_mean']:.1f} | "
             f"{s['bytes_per_worker_round']:.0f} | {s['bytes_per_worker_round'] / s['model_bytes_fp32']:.3f} | "
-            f"{s['sim_time_s']:.1f} |"
+            f"{s['sim_time_s']:.1f} | "
+            + (f"{s['compute_utilization']:.3f} |" if "compute_utilization" in s else "- |")
         )
         if target is not None:
             hit = next(

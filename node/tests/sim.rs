@@ -215,6 +215,22 @@ fn delayed_overlap_with_an_instantaneous_exchange_is_the_blocking_run_bit_for_bi
 }
 
 #[test]
+fn eager_overlap_with_an_instantaneous_exchange_is_the_blocking_run_up_to_rounding() {
+    // The own step and the neighbours' terms added to it give the blocking outer step up to
+    // rounding; the payload is the model handed off, not the anchor eager moves on to.
+    let outer = "topology = \"two-peer\"\ninner_steps = 3";
+    let (blocking, _) = simulate(&manifest(outer), instantaneous(4, 4));
+    let (eager, _) = simulate(
+        &manifest(&format!("{outer}\noverlap = \"eager\"")),
+        instantaneous(4, 4),
+    );
+    for (b, e) in blocking.iter().zip(&eager) {
+        let (b, e) = (b.val_loss.unwrap(), e.val_loss.unwrap());
+        assert!((b - e).abs() < 1e-3, "round: blocking {b}, eager {e}");
+    }
+}
+
+#[test]
 fn eager_overlap_without_a_neighbour_is_the_blocking_run_bit_for_bit() {
     let outer = "topology = \"one-peer\"\ninner_steps = 3";
     let (blocking, anchors_b) = simulate(&manifest(outer), options(1, 3));

@@ -473,7 +473,8 @@ pub enum Overlap {
     /// progress made since is carried onto the new anchor.
     Delayed,
     /// The worker's own fresh pseudo-gradient term is applied at once, its neighbours'
-    /// terms one round late (arXiv 2502.12996, adapted to gossip).
+    /// terms added to that outer step when the exchange ends (the idea of arXiv 2502.12996,
+    /// adapted to gossip).
     Eager,
 }
 

@@ -130,6 +130,26 @@ impl OuterOptimizer {
         }
     }
 
+    /// Adds `late` to the outer step taken last (`step(anchor, Δ)`), in place: afterwards
+    /// anchor and momentum are those of `step(anchor_before, Δ + late)`, up to rounding.
+    /// The step is affine in Δ for a given momentum, so the difference is
+    /// `m ← m + late`, `θ ← θ − η·(1 + μ)·late` (Nesterov) or `θ ← θ − η·late` (heavy-ball,
+    /// or μ = 0).
+    pub fn add_to_last_step(&mut self, anchor: &mut [Tensor], late: &[Tensor]) {
+        let _guard = tch::no_grad_guard();
+        let scale = if self.nesterov {
+            self.lr * (1.0 + self.momentum)
+        } else {
+            self.lr
+        };
+        for ((theta, m), l) in anchor.iter_mut().zip(&mut self.buffers).zip(late) {
+            if self.momentum != 0.0 {
+                *m += l;
+            }
+            *theta -= l * scale;
+        }
+    }
+
     /// Applies one outer step to `anchor` in place.
     pub fn step(&mut self, anchor: &mut [Tensor], delta: &[Tensor]) {
         let _guard = tch::no_grad_guard();

@@ -15,16 +15,19 @@
 //!   onto the new anchor: `x ← θ_{t+1} + (x − x_t)` ([`carry_progress`]). No inner step is
 //!   lost. When the exchange ends before the first inner step of round t+1, `x = x_t` and the
 //!   carry gives `θ_{t+1}` bit for bit: a blocking round.
-//! * **`eager`** (arXiv 2502.12996, adapted to gossip): at the hand-off the worker takes its
-//!   outer step at once with its own fresh term and its neighbours' terms of the round before,
-//!   `Δ̃_t = w_ii (θ_t − x_t) + L_{t−1}` ([`own_term`]), and round t+1 starts from `θ_{t+1}`.
-//!   When round t's exchange ends, `L_t = Σ_{j≠i} w_ij (θ_t − x_t^j)` plus any weight a
-//!   neighbour that sent nothing usable returned to self, `(w'_ii − w_ii)(θ_t − x_t)`
-//!   ([`late_term`]); it waits for the next outer step. Summed over two rounds the worker
-//!   applies every term a blocking round applies, the neighbours' one round late. With no
-//!   neighbour `L = 0` and `Δ̃_t = Δ_t`: a blocking round. With the complete topology it is the
-//!   paper's update, `Δ̃ = Δ_t^i / n + Σ_{j≠i} Δ_{t−1}^j / n`, except that each term is taken
-//!   against this worker's own anchor (it holds the others' local models, not their anchors).
+//! * **`eager`** (the idea of arXiv 2502.12996, adapted to gossip): at the hand-off the worker
+//!   takes its outer step at once with its own fresh term, `θ' = OuterStep(θ_t, w_ii (θ_t −
+//!   x_t))` ([`own_term`]), and round t+1 trains from `θ'`. When the exchange ends, the
+//!   neighbours' terms `L_t = Σ_{j≠i} w'_ij (θ_t − x_t^j) + (w'_ii − w_ii)(θ_t − x_t)` (the row
+//!   as applied: a neighbour that sent nothing usable returns its weight to self;
+//!   [`late_term`]) are added to that same outer step ([`OuterOptimizer::add_to_last_step`]:
+//!   the step is affine in its pseudo-gradient, so the two parts give the blocking round's
+//!   anchor and momentum up to rounding), and the progress since is carried onto it. With no
+//!   neighbour `L = 0`: a blocking round bit for bit.
+//!
+//!   The paper applies the others' terms of round t−1 inside round t's step; in gossip a
+//!   neighbour's term `θ_i − x_j` also carries the disagreement `θ_i − θ_j`, so it is added as
+//!   soon as it arrives (`docs/algorithms.md`, "Overlapped rounds").
 //!
 //! At most one exchange is pending: a worker whose next round ends before its pending exchange
 //! does waits for it (the caller's business) before it hands off again.
@@ -67,7 +70,7 @@ pub fn own_term(row: &MixingRow, anchor: &[Tensor], own: &[Tensor]) -> Vec<Tenso
         .collect()
 }
 
-/// Eager's part one round late: the terms of `applied` (the row after the exchange, a
+/// Eager's part added when the exchange ends: the terms of `applied` (the row after the exchange, a
 /// neighbour that sent nothing usable dropped and its weight returned to self) that
 /// `nominal`'s own term did not already apply: every neighbour's, plus self's returned weight.
 /// `None` when there is none (no neighbour). `model(j)` gives worker j's received local
@@ -128,20 +131,20 @@ struct Pending {
     anchor: Vec<Tensor>,
     /// `x_t`, the local model handed to the exchange.
     handed_off: Vec<Tensor>,
+    /// What the local model trains on from: `x_t` (delayed) or the anchor after the own
+    /// step (eager); the progress carried is the local model less this.
+    carry_from: Vec<Tensor>,
     /// Round t's row as planned (eager's own term used its self weight; delayed needs none).
     nominal: Option<MixingRow>,
     /// What the exchange gave, once it arrived: `Δ_t` (delayed) or `L_t` (eager).
     arrived: Option<Option<Vec<Tensor>>>,
 }
 
-/// One worker's outer step when rounds overlap: its pending exchange and, with `eager`, the
-/// neighbours' term waiting for the next outer step. The anchor and the outer optimizer stay
-/// the caller's; every method takes them.
+/// One worker's outer step when rounds overlap: its pending exchange. The anchor and the
+/// outer optimizer stay the caller's; every method takes them.
 pub struct OverlappedOuter {
     mode: Overlap,
     pending: Option<Pending>,
-    /// Eager: `L_{t−1}`, for the next hand-off.
-    late: Option<Vec<Tensor>>,
 }
 
 /// What a call changed for the caller's trainer.
@@ -178,7 +181,6 @@ impl OverlappedOuter {
         Ok(OverlappedOuter {
             mode,
             pending: None,
-            late: None,
         })
     }
 
@@ -222,26 +224,20 @@ impl OverlappedOuter {
         };
         let handed_off = copies(local);
         let theta = copies(anchor);
-        let changed = match self.mode {
+        let (changed, carry_from) = match self.mode {
             Overlap::None => return Err(OverlapError::NotOverlapped),
-            Overlap::Delayed => LocalModel::Unchanged,
+            Overlap::Delayed => (LocalModel::Unchanged, copies(&handed_off)),
             Overlap::Eager => {
                 let row = nominal.as_ref().expect("checked above");
-                let mut delta = own_term(row, anchor, &handed_off);
-                if let Some(late) = self.late.take() {
-                    let _guard = tch::no_grad_guard();
-                    for (d, l) in delta.iter_mut().zip(&late) {
-                        *d += l;
-                    }
-                }
-                outer.step(anchor, &delta);
-                LocalModel::Replace(copies(anchor))
+                outer.step(anchor, &own_term(row, anchor, &handed_off));
+                (LocalModel::Replace(copies(anchor)), copies(anchor))
             }
         };
         self.pending = Some(Pending {
             round,
             anchor: theta,
             handed_off,
+            carry_from,
             nominal,
             arrived: None,
         });
@@ -285,9 +281,9 @@ impl OverlappedOuter {
         Ok(())
     }
 
-    /// Takes the arrived exchange into the worker: delayed steps the anchor with `Δ_t` and
-    /// carries `local`'s progress onto it (the returned local model); eager keeps `L_t` for
-    /// the next hand-off.
+    /// Takes the arrived exchange into the worker: delayed steps the anchor with `Δ_t`, eager
+    /// adds `L_t` to its own step; either carries `local`'s progress onto the new anchor (the
+    /// returned local model).
     pub fn apply(
         &mut self,
         anchor: &mut [Tensor],
@@ -302,27 +298,24 @@ impl OverlappedOuter {
             self.pending = Some(p);
             return Err(OverlapError::NotArrived(round));
         };
+        let Some(gives) = gives else {
+            // Eager without a neighbour: its own step was the whole outer step.
+            return Ok(LocalModel::Unchanged);
+        };
         match self.mode {
-            Overlap::Delayed => {
-                let delta = gives.expect("delayed always has a pseudo-gradient");
-                outer.step(anchor, &delta);
-                Ok(LocalModel::Replace(carry_progress(
-                    local,
-                    &p.handed_off,
-                    anchor,
-                )))
-            }
-            _ => {
-                self.late = gives;
-                Ok(LocalModel::Unchanged)
-            }
+            Overlap::Delayed => outer.step(anchor, &gives),
+            _ => outer.add_to_last_step(anchor, &gives),
         }
+        Ok(LocalModel::Replace(carry_progress(
+            local,
+            &p.carry_from,
+            anchor,
+        )))
     }
 
-    /// The anchor as the worker would hold it once everything pending is applied and no
-    /// further inner step is taken: delayed's pending outer step, or eager's late term as one
-    /// more outer step (its own term would be zero). Needs the pending exchange arrived.
-    /// Leaves `anchor` and `outer` as they are.
+    /// The anchor as the worker would hold it once the pending exchange is applied: delayed's
+    /// outer step, or eager's neighbours' terms added to its own. Needs the pending exchange
+    /// arrived. Leaves `anchor` and `outer` as they are.
     pub fn settled_anchor(
         &self,
         anchor: &[Tensor],
@@ -337,19 +330,10 @@ impl OverlappedOuter {
             },
             None => None,
         };
-        match self.mode {
-            Overlap::Delayed => {
-                if let Some(delta) = pending_gives {
-                    outer.step(&mut settled, delta);
-                }
-            }
-            _ => {
-                // The late term of the exchange before (not yet used), then the pending
-                // one's: at most one of them exists at any time a caller asks.
-                for late in self.late.iter().chain(pending_gives) {
-                    outer.step(&mut settled, late);
-                }
-            }
+        match (self.mode, pending_gives) {
+            (Overlap::Delayed, Some(delta)) => outer.step(&mut settled, delta),
+            (_, Some(late)) => outer.add_to_last_step(&mut settled, late),
+            (_, None) => {}
         }
         Ok(settled)
     }
@@ -453,46 +437,73 @@ mod tests {
     }
 
     #[test]
-    fn eager_applies_every_term_of_a_blocking_round_its_neighbours_one_round_late() {
-        // Momentum 0, lr 1: the anchor moves by exactly the sum of the pseudo-gradients, so
-        // two eager rounds plus the settled late term equal two blocking rounds' terms.
-        let mut config = outer_config();
-        config.momentum = 0.0;
-        config.lr = 1.0;
+    fn eager_own_step_plus_the_neighbours_late_terms_is_the_blocking_outer_step() {
+        // Nesterov with μ = 0.9 over three rounds, a neighbour failing in the second: after
+        // each exchange the anchor and momentum are the blocking round's (up to rounding), and
+        // the steps taken since the hand-off are carried onto the anchor.
+        let config = outer_config();
         let start = model(1);
         let nominal = MixingRow::uniform(0, &[1, 2]);
         let models = [model(2), model(3), model(4)];
-        let mut anchor = copies(&start);
-        let mut outer = OuterOptimizer::new(&config, &anchor);
+        let progress = model(5);
+        let (mut a_block, mut a_over) = (copies(&start), copies(&start));
+        let mut o_block = OuterOptimizer::new(&config, &start);
+        let mut o_over = OuterOptimizer::new(&config, &start);
         let mut overlap = OverlappedOuter::new(Overlap::Eager).unwrap();
-        // Round 0: own term at once, from θ_0.
-        let LocalModel::Replace(local) = overlap
-            .hand_off(0, Some(&nominal), &mut anchor, &mut outer, &models[0])
-            .unwrap()
-        else {
-            panic!("eager replaces the local model");
+        let close = |a: &[Tensor], b: &[Tensor]| {
+            a.iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs().max().double_value(&[]))
+                .fold(0.0, f64::max)
         };
-        assert!(same(&local, &anchor));
-        let own = own_term(&nominal, &start, &models[0]);
-        for ((a, s), o) in anchor.iter().zip(&start).zip(&own) {
-            assert!(a.equal(&(s - o)));
-        }
-        // Its exchange: neighbour 2 failed, its weight returns to self.
-        let applied = nominal.without(&[2]);
-        overlap.arrived(0, &applied, |j| &models[j]).unwrap();
-        assert!(matches!(
-            overlap.apply(&mut anchor, &mut outer, &local).unwrap(),
-            LocalModel::Unchanged
-        ));
-        let settled = overlap.settled_anchor(&anchor, &outer).unwrap();
-        // Blocking: θ_0 − Δ with the applied row.
-        let full = mixed_pseudo_gradient(&applied, &start, |j| &models[j]);
-        for ((s, t), d) in settled.iter().zip(&start).zip(&full) {
-            let gap = (s - (t - d)).abs().max().double_value(&[]);
+        for round in 0..3 {
+            let applied = if round == 1 {
+                nominal.without(&[2])
+            } else {
+                nominal.clone()
+            };
+            blocking(&applied, &mut a_block, &mut o_block, &models);
+            let LocalModel::Replace(trains_from) = overlap
+                .hand_off(round, Some(&nominal), &mut a_over, &mut o_over, &models[0])
+                .unwrap()
+            else {
+                panic!("eager replaces the local model");
+            };
+            assert!(
+                same(&trains_from, &a_over),
+                "the next round trains from the own step"
+            );
+            let local: Vec<Tensor> = trains_from
+                .iter()
+                .zip(&progress)
+                .map(|(t, p)| t + p)
+                .collect();
+            overlap.arrived(round, &applied, |j| &models[j]).unwrap();
+            let settled = overlap.settled_anchor(&a_over, &o_over).unwrap();
+            let LocalModel::Replace(carried) =
+                overlap.apply(&mut a_over, &mut o_over, &local).unwrap()
+            else {
+                panic!("the neighbours' terms move the anchor");
+            };
+            assert!(
+                same(&settled, &a_over),
+                "settled_anchor looks ahead exactly"
+            );
+            let gap = close(&a_block, &a_over);
             assert!(
                 gap < 1e-5,
-                "own + late differs from the blocking term by {gap}"
+                "round {round}: anchor off the blocking one by {gap}"
             );
+            let gap = close(o_block.momentum(), o_over.momentum());
+            assert!(gap < 1e-5, "round {round}: momentum off by {gap}");
+            let moved: Vec<Tensor> = a_over.iter().zip(&progress).map(|(a, p)| a + p).collect();
+            let gap = close(&carried, &moved);
+            assert!(gap < 1e-5, "round {round}: progress carried off by {gap}");
+            // The next round starts from the blocking anchor (the inner steps here are the
+            // test's models, not trained from it).
+            for (a, b) in a_over.iter_mut().zip(&a_block) {
+                a.copy_(b);
+            }
         }
     }
 

@@ -442,6 +442,9 @@ impl Simulation {
         let fixed_step = self.options.step_time_ms.map(|t| t / 1e3);
         let n = self.workers.len();
         let (mut losses, mut compute, mut waited, mut began) = (vec![], vec![], vec![], vec![]);
+        // Each worker's payload: its local model as handed off (eager moves the trainer on
+        // to its new anchor at the hand-off).
+        let mut handed_off = Vec::with_capacity(n);
         for (i, &h) in steps.iter().enumerate() {
             let start_s = self.workers[i].clock_s;
             let (mut sum, mut elapsed) = (0.0, 0.0);
@@ -473,6 +476,7 @@ impl Simulation {
             )? {
                 w.trainer.set_parameters(&x);
             }
+            handed_off.push(local);
             losses.push(sum / h.max(1) as f64);
             compute.push(elapsed);
             waited.push(wait);
@@ -483,12 +487,10 @@ impl Simulation {
         // This round's exchange: what each worker receives, and when it ends.
         let o = self.manifest.outer.clone();
         let bf16 = o.payload != Payload::ModelFp32;
-        let received: Vec<Vec<Tensor>> = self
-            .workers
+        let received: Vec<Vec<Tensor>> = handed_off
             .iter()
-            .map(|w| {
-                w.trainer
-                    .parameters()
+            .map(|local| {
+                local
                     .iter()
                     .map(|t| {
                         if bf16 {
