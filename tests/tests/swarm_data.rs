@@ -464,7 +464,8 @@ fn a_joiner_trains_on_its_first_shard_while_the_rest_arrive() {
     let (mut boot_proc, boot) =
         bootstrap(dir, &manifest, Some(&data), &["--data-serve-rate", "30k"]);
     boot_proc.wait_for_line("serving_shards=4 ", Duration::from_secs(30));
-    // A partner with the data that serves none of it, so the bootstrap is the one source.
+    // A partner with the data that serves none of it, so the bootstrap is the one source. It
+    // outlives the joiner (and is stopped when the test ends).
     let _partner = Proc::spawn(
         "partner",
         dir,
@@ -472,15 +473,11 @@ fn a_joiner_trains_on_its_first_shard_while_the_rest_arrive() {
             &boot,
             &dir.join("partner"),
             &data,
-            &["--rounds", "8", "--no-serve-data"],
+            &["--rounds", "20", "--no-serve-data"],
         ),
     );
     let home = dir.join("joiner");
-    let mut joiner = Proc::spawn(
-        "joiner",
-        dir,
-        fetching_join_command(&boot, &home, &["--rounds", "6"]),
-    );
+    let mut joiner = Proc::spawn("joiner", dir, fetching_join_command(&boot, &home, &[]));
 
     // It starts with the validation shard and its first training shard only.
     let first = joiner.wait_for_line("data_first ", Duration::from_secs(60));
@@ -505,7 +502,15 @@ fn a_joiner_trains_on_its_first_shard_while_the_rest_arrive() {
         "a round before the last shard arrived:\n{out}"
     );
     assert!(holds_the_shards(&home, &data));
-    joiner.expect_success(Duration::from_secs(120));
+    // Six rounds in all, then a clean stop (SIGTERM: the round in flight finishes). Stopped
+    // rather than given `--rounds`: on a loaded machine a joiner may miss a round, which a
+    // fixed count of rounds turns into a failed exit, and this test is not about that.
+    let start = std::time::Instant::now();
+    while read_report(&home).len() < 6 && start.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    joiner.terminate();
+    joiner.expect_success(Duration::from_secs(60));
     let losses = val_losses(&home);
     let best = losses.iter().cloned().fold(f64::INFINITY, f64::min);
     assert!(
