@@ -129,11 +129,10 @@ struct Pending {
     round: u64,
     /// `θ_t`, the anchor round t started from.
     anchor: Vec<Tensor>,
-    /// `x_t`, the local model handed to the exchange.
+    /// `x_t`, the local model handed to the exchange (and, with delayed, what the next
+    /// round trains on from; eager's next round trains from the anchor after its own step,
+    /// which the anchor still is when the exchange is applied).
     handed_off: Vec<Tensor>,
-    /// What the local model trains on from: `x_t` (delayed) or the anchor after the own
-    /// step (eager); the progress carried is the local model less this.
-    carry_from: Vec<Tensor>,
     /// Round t's row as planned (eager's own term used its self weight; delayed needs none).
     nominal: Option<MixingRow>,
     /// What the exchange gave, once it arrived: `Δ_t` (delayed) or `L_t` (eager).
@@ -224,20 +223,19 @@ impl OverlappedOuter {
         };
         let handed_off = copies(local);
         let theta = copies(anchor);
-        let (changed, carry_from) = match self.mode {
+        let changed = match self.mode {
             Overlap::None => return Err(OverlapError::NotOverlapped),
-            Overlap::Delayed => (LocalModel::Unchanged, copies(&handed_off)),
+            Overlap::Delayed => LocalModel::Unchanged,
             Overlap::Eager => {
                 let row = nominal.as_ref().expect("checked above");
                 outer.step(anchor, &own_term(row, anchor, &handed_off));
-                (LocalModel::Replace(copies(anchor)), copies(anchor))
+                LocalModel::Replace(copies(anchor))
             }
         };
         self.pending = Some(Pending {
             round,
             anchor: theta,
             handed_off,
-            carry_from,
             nominal,
             arrived: None,
         });
@@ -302,15 +300,19 @@ impl OverlappedOuter {
             // Eager without a neighbour: its own step was the whole outer step.
             return Ok(LocalModel::Unchanged);
         };
-        match self.mode {
-            Overlap::Delayed => outer.step(anchor, &gives),
-            _ => outer.add_to_last_step(anchor, &gives),
-        }
-        Ok(LocalModel::Replace(carry_progress(
-            local,
-            &p.carry_from,
-            anchor,
-        )))
+        // The progress carried is the local model less what the next round trained from.
+        let carried = match self.mode {
+            Overlap::Delayed => {
+                outer.step(anchor, &gives);
+                carry_progress(local, &p.handed_off, anchor)
+            }
+            _ => {
+                let trained_from = copies(anchor);
+                outer.add_to_last_step(anchor, &gives);
+                carry_progress(local, &trained_from, anchor)
+            }
+        };
+        Ok(LocalModel::Replace(carried))
     }
 
     /// The anchor as the worker would hold it once the pending exchange is applied: delayed's
