@@ -3,7 +3,9 @@
 # (the tiny model on Shakespeare bytes, 8 workers, 1 libtorch thread per run).
 #
 # usage: [SIM_ROUNDS_H30=12] [SIM_ROUNDS_H1=150] bench/sim_experiments.sh [1 2 3 4 5 …]  (default: 1–5)
-#        [SIM_ROUNDS_OVERLAP=30] [SIM_SEEDS="1234 99"] bench/sim_experiments.sh 6   (overlapped rounds)
+#        [SIM_ROUNDS_OVERLAP=30] [SIM_SEEDS="1234 99"] [SIM_MODEL=demo] bench/sim_experiments.sh 6
+#        (overlapped rounds; SIM_MODEL=demo: the demo model's shape, d 128, 4 layers, instead
+#        of the tiny one, same data settings)
 # Writes runs/exp/<name>/ (rounds.csv, workers.csv, rounds.json, summary.md, loss.svg) and the
 # manifests it generated in runs/exp/manifests/. Each experiment takes minutes on 2 cores.
 set -euo pipefail
@@ -18,11 +20,13 @@ r1=${SIM_ROUNDS_H1:-150}      # rounds (= steps) of the H = 1 runs
 d30=$((r30 * 30))
 
 # manifest NAME DECAY_STEPS OUTER_LINES [LORDO_LINES]: examples/runs/sim-tiny.toml with its
-# [outer] replaced and decay_steps set.
+# [outer] replaced and decay_steps set (and with SIM_MODEL=demo the demo model's shape).
 manifest() {
-  local path="$out/manifests/$1.toml"
+  local path="$out/manifests/$1.toml" model='size = "tiny"'
+  [ "${SIM_MODEL:-tiny}" = demo ] && model='d_model = 128\nn_layers = 4\nn_heads = 4\nn_kv_heads = 2'
   sed -e '/^\[outer\]/,$d' -e "s/^decay_steps = .*/decay_steps = $2/" \
-    -e "s/^seed = .*/seed = ${SIM_SEED:-1234}/" examples/runs/sim-tiny.toml > "$path"
+    -e "s/^seed = .*/seed = ${SIM_SEED:-1234}/" -e "s/^size = \"tiny\"/$model/" \
+    examples/runs/sim-tiny.toml > "$path"
   printf '[outer]\n%b\n' "$3" >> "$path"
   if [ -n "${4:-}" ]; then printf '[lordo]\n%b\n' "$4" >> "$path"; fi
   echo "$path"
@@ -94,7 +98,7 @@ exp6() { # overlapped rounds: none / delayed / eager on one-peer and two-peer; 2
   for seed in ${SIM_SEEDS:-1234}; do
     for t in ${SIM_LINKS:-one-peer:8 two-peer:16}; do
       for mode in none delayed eager; do
-        SIM_SEED=$seed sim "e6-${t%%:*}-$mode-seed$seed" "$ro" $((ro * 30)) \
+        SIM_SEED=$seed sim "e6-${SIM_MODEL:-tiny}-${t%%:*}-$mode-seed$seed" "$ro" $((ro * 30)) \
           "topology = \"${t%%:*}\"\ninner_steps = 30\noverlap = \"$mode\"" '' \
           --step-time-ms 25 --bandwidth-mbps "${t##*:}" --latency-ms 20 --eval-every 5
       done

@@ -40,6 +40,7 @@ use gasloc_p2p::PeerId;
 use gasloc_proto::gate::{PayloadGate, PayloadStats, Refusal};
 use gasloc_proto::manifest::{Algorithm, InnerOptimizerKind, Overlap, Payload};
 use gasloc_proto::pace::{InnerSteps, MovingAverage};
+use gasloc_proto::topology::MixingRow;
 use gasloc_proto::wire::DType;
 use gasloc_proto::RunManifest;
 use sha2::{Digest, Sha256};
@@ -208,11 +209,6 @@ fn check_supported(m: &RunManifest) -> Result<()> {
     }
     if m.outer.payload == Payload::Lordo || m.outer.inner_optimizer == InnerOptimizerKind::Lordo {
         bail!("[outer] payload/inner_optimizer = \"lordo\": join exchanges model-fp32 or model-bf16 payloads only (LoRDO runs in `gasloc-node sim`)");
-    }
-    if m.outer.overlap == Overlap::Eager {
-        bail!(
-            "[outer] overlap = \"eager\": join runs overlap = \"none\" or \"delayed\" (eager overlap runs in `gasloc-node sim`: its outer step at the hand-off needs the round's row, which the trainer does not have yet)"
-        );
     }
     Ok(())
 }
@@ -422,7 +418,7 @@ impl RoundTrainer {
         }
         if self.overlap.is_some() {
             self.serve_handed_off(inbox, true)?;
-            self.hand_off(order.round)?;
+            self.hand_off(order.round, order.row.get())?;
         }
         Ok(Trained {
             payload: self.payload()?,
@@ -469,16 +465,30 @@ impl RoundTrainer {
     }
 
     /// Overlapped rounds: round `round`'s payload goes to the exchange and the next round
-    /// trains on from it. When that round's outer step will save a checkpoint, the moments
-    /// and data cursor are taken now, as a blocking node would save them.
-    fn hand_off(&mut self, round: u64) -> Result<()> {
+    /// trains on: delayed from the payload, eager from the anchor after its own outer step
+    /// (with the round's planned `row`; without one, as delayed). When that round's outer step
+    /// will save a checkpoint, the moments and data cursor are taken now, as a blocking node
+    /// would save them.
+    fn hand_off(&mut self, round: u64, row: Option<MixingRow>) -> Result<()> {
         let Some(overlap) = self.overlap.as_mut() else {
             return Ok(());
         };
+        if overlap.mode() == Overlap::Eager && row.is_none() {
+            tracing::info!("round {round}: handed off before the round was decided: its whole outer step waits for the exchange");
+        }
         let local: Vec<Tensor> = self.trainer.parameters();
-        overlap
-            .hand_off(round, None, &mut self.anchor, &mut self.outer, &local)
+        let trains_from = overlap
+            .hand_off(
+                round,
+                row.as_ref(),
+                &mut self.anchor,
+                &mut self.outer,
+                &local,
+            )
             .map_err(|e| anyhow!("overlapped round {round}: {e}"))?;
+        if let LocalModel::Replace(x) = trains_from {
+            self.trainer.set_parameters(&x);
+        }
         let saves = self.options.checkpoint_every > 0
             && self.rounds_since_checkpoint + 1 >= self.options.checkpoint_every;
         self.checkpoint_at_hand_off = if saves {
@@ -489,7 +499,7 @@ impl RoundTrainer {
         Ok(())
     }
 
-    /// The local model as the wire payload.
+    /// The local model as the wire payload (with overlapped rounds, the model handed off).
     fn payload(&self) -> Result<TensorSet> {
         let kind = match self.payload_dtype {
             DType::Bf16 => Kind::BFloat16,
@@ -498,7 +508,7 @@ impl RoundTrainer {
         let tensors = self
             .names
             .iter()
-            .zip(self.trainer.parameters())
+            .zip(self.own_payload_model())
             .map(|(name, t)| to_wire(name.clone(), &t, kind, self.payload_dtype))
             .collect::<Result<Vec<_>>>()?;
         Ok(TensorSet::new(tensors))
@@ -748,10 +758,17 @@ impl RoundTrainer {
     }
 
     /// Saves the anchor (not the half-trained local model) with the inner optimizer's
-    /// moments, the data cursor, the outer momentum and the round it begins.
-    /// Saves the trainer's state as it stands with the anchor as its model (a pending
-    /// overlapped exchange is dropped: the node resumes at that round, from its anchor).
+    /// moments, the data cursor, the outer momentum and the round it begins. A pending
+    /// overlapped exchange is dropped (eager's own step taken back): the node resumes at
+    /// that round, from the anchor it started from.
     fn save(&mut self) -> Result<()> {
+        if let Some(overlap) = self.overlap.as_mut() {
+            if let Some(round) = overlap.drop_pending(&mut self.anchor, &mut self.outer) {
+                tracing::info!(round, "stopping with round {round}'s exchange pending: dropped, the checkpoint resumes at that round");
+                self.round = round;
+                self.trainer.set_parameters(&self.anchor);
+            }
+        }
         let ckpt = self.trainer.checkpoint()?;
         self.save_from(ckpt)
     }
@@ -866,7 +883,6 @@ mod tests {
         assert!(refused("algorithm = \"dadam\"").contains("algorithm"));
         assert!(refused("inner_optimizer = \"lordo\"").contains("lordo"));
         assert!(check_supported(&manifest("overlap = \"delayed\"")).is_ok());
-        let e = refused("overlap = \"eager\"");
-        assert!(e.contains("overlap = \"eager\""), "{e}");
+        assert!(check_supported(&manifest("overlap = \"eager\"")).is_ok());
     }
 }

@@ -70,6 +70,26 @@ impl Proc {
         std::fs::read_to_string(&self.stdout).unwrap_or_default()
     }
 
+    /// Waits (bounded) until a stderr line (the log) contains `needle`; returns that line.
+    pub fn wait_for_log(&mut self, needle: &str, bound: Duration) -> String {
+        let start = Instant::now();
+        while start.elapsed() < bound {
+            let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+            if let Some(line) = text.lines().find(|l| l.contains(needle)) {
+                return line.to_string();
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("{} exited ({status}) before logging {needle:?}", self.name);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!(
+            "{} did not log {needle:?} within {bound:?}:\n{}",
+            self.name,
+            self.stderr_tail()
+        );
+    }
+
     /// The last lines of stderr, for assertion messages.
     pub fn stderr_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();

@@ -1,13 +1,17 @@
-//! Overlapped rounds (`[outer] overlap = "delayed"`) in a swarm of `gasloc-node join`
-//! processes on loopback: each node trains the next round while the round before is still
-//! exchanging, and takes that round's outer step between two inner steps.
+//! Overlapped rounds (`[outer] overlap = "delayed"` and `"eager"`) in swarms of
+//! `gasloc-node join` processes on loopback: each node trains the next round while the round
+//! before is still exchanging, and takes that round's outer step between two inner steps.
 //!
-//! Four nodes on the one-peer topology with adaptive H_i, rounds of 5 s. Node 2's upload is
-//! capped so that each of its exchanges takes about 1.5 s: a blocking node gives those
-//! seconds up (`swarm_training` measures it), an overlapped one trains through them. Node 4
-//! saves a checkpoint every round — each taken while the next round trains, its exchange
-//! pending — and is killed with SIGKILL: its partners mix it as missing and go on; restarted,
-//! it resumes from that checkpoint. Every node ends cleanly and its validation loss falls.
+//! Four nodes on the one-peer topology with adaptive H_i, rounds of 5 s, in each test.
+//! `delayed`: node 2's upload is capped so that each of its exchanges takes about 1.5 s: a
+//! blocking node gives those seconds up (`swarm_training` measures it), an overlapped one
+//! trains through them. Node 4 (capped too) saves a checkpoint every round — its moments taken
+//! at the hand-off, while the exchange was pending — and is killed with SIGKILL while an
+//! exchange is under way: its partner of that round fails mid-exchange, mixes it as missing
+//! and goes on; restarted, node 4 resumes from that checkpoint. `eager`: node 3 (capped) is
+//! stopped with SIGTERM while an exchange is under way: it completes that round and the one
+//! training, saves, and resumes there when restarted. Every node ends cleanly and its
+//! validation loss falls.
 
 use gasloc_tests::{
     field, join_command, read_report, start_join, start_training_swarm, Proc, ADAPTIVE_ONE_PEER,
@@ -40,7 +44,7 @@ fn overlapped_rounds_train_through_slow_exchanges_a_kill_and_a_restart() {
         .map(|i| {
             let extra: &[&str] = match i {
                 2 => &["--rounds", "9", "--max-upload-rate", "350k"],
-                4 => &["--checkpoint-every", "1"],
+                4 => &["--checkpoint-every", "1", "--max-upload-rate", "350k"],
                 _ => &["--rounds", "9"],
             };
             start_node(i, extra)
@@ -50,9 +54,11 @@ fn overlapped_rounds_train_through_slow_exchanges_a_kill_and_a_restart() {
         node.wait_for_line("start=fresh", Duration::from_secs(60));
     }
 
-    // Node 4: killed once it saved the checkpoint of round 3 or later, restarted at once.
+    // Node 4: killed once it saved the checkpoint of round 3 or later and the exchange of
+    // the round after that one started (a 1.5 s exchange), restarted at once.
     let long = Duration::from_secs(90);
-    let saved = nodes[3].wait_for_checkpoint_round(3, long);
+    let saved = nodes[3].wait_for_checkpoint_round(3, long) + 1;
+    nodes[3].wait_for_log(&format!("round {saved}: exchange started"), long);
     nodes[3].child.kill().unwrap();
     nodes[3].child.wait().unwrap();
     let mut restarted = Proc::spawn(
@@ -119,4 +125,89 @@ fn overlapped_rounds_train_through_slow_exchanges_a_kill_and_a_restart() {
         !r["failed"].as_array().unwrap().is_empty() || !r["withheld"].as_array().unwrap().is_empty()
     });
     assert!(missed_node4, "no partner saw node 4 fail");
+}
+
+/// The rounds of a node's `checkpoint=…` lines (each the round the checkpoint resumes at).
+fn checkpoint_rounds(node: &Proc) -> Vec<u64> {
+    node.output()
+        .lines()
+        .filter(|l| l.starts_with("checkpoint="))
+        .filter_map(|l| field(l, "round")?.parse().ok())
+        .collect()
+}
+
+#[test]
+fn eager_overlapped_rounds_stop_cleanly_mid_exchange_and_resume() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let outer = format!("{ADAPTIVE_ONE_PEER}overlap = \"eager\"\n");
+    let (_bootstrap, boot, data) = start_training_swarm(dir, "swarm-eager-test", 17, &outer);
+    let home = |i: usize| dir.join(format!("node{i}"));
+    let mut nodes: Vec<Proc> = (1..=4)
+        .map(|i| {
+            let extra: &[&str] = match i {
+                3 => &["--checkpoint-every", "1", "--max-upload-rate", "350k"],
+                _ => &["--rounds", "8"],
+            };
+            start_join(dir, &boot, &data, i, extra)
+        })
+        .collect();
+    for node in &mut nodes {
+        node.wait_for_line("start=fresh", Duration::from_secs(60));
+    }
+
+    // Node 3: SIGTERM while the exchange of a round after its checkpoint of round 2 is
+    // under way. A stop finishes what is in flight: that exchange and its outer step, the
+    // round training, then the checkpoint.
+    let long = Duration::from_secs(90);
+    let exchanging = nodes[2].wait_for_checkpoint_round(2, long) + 1;
+    nodes[2].wait_for_log(&format!("round {exchanging}: exchange started"), long);
+    nodes[2].terminate();
+    nodes[2].expect_success(Duration::from_secs(60));
+    let stopped: Vec<Value> = read_report(&home(3));
+    let last = stopped
+        .iter()
+        .map(|r| r["round"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    assert!(
+        stopped.iter().any(|r| r["round"] == exchanging),
+        "the round exchanging at the stop ({exchanging}) has no record"
+    );
+    let newest = *checkpoint_rounds(&nodes[2]).iter().max().unwrap();
+    assert_eq!(
+        newest,
+        last + 1,
+        "the checkpoint at the stop resumes after the last round recorded"
+    );
+    let mut restarted = Proc::spawn(
+        "node3-restarted",
+        dir,
+        join_command(&boot, &home(3), &data, &["--rounds", "2"]),
+    );
+    let resumed = restarted.wait_for_line("start=resumed", long);
+    assert_eq!(
+        field(&resumed, "round").map(str::to_owned),
+        Some(newest.to_string()),
+        "{resumed}"
+    );
+    for node in nodes.iter_mut().filter(|n| n.name != "node3") {
+        node.expect_success(Duration::from_secs(120));
+    }
+    restarted.expect_success(Duration::from_secs(60));
+
+    for i in 1..=4 {
+        let records = read_report(&home(i));
+        let losses = val_losses(&records);
+        assert!(
+            losses.len() >= 3 && losses.last() < losses.first(),
+            "node{i}: validation losses {losses:?}"
+        );
+        assert!(records
+            .iter()
+            .all(|r| (0.0..=1.0).contains(&r["compute_utilization"].as_f64().unwrap())));
+    }
+    eprintln!(
+        "node3: stopped while round {exchanging} exchanged; last round {last}, resumed at {newest}"
+    );
 }

@@ -29,6 +29,14 @@
 //!   neighbour's term `θ_i − x_j` also carries the disagreement `θ_i − θ_j`, so it is added as
 //!   soon as it arrives (`docs/algorithms.md`, "Overlapped rounds").
 //!
+//!   Eager's own step needs the round's row (its self weight). A networked node whose round
+//!   was not decided by the time its inner steps end hands off without one: that round's
+//!   outer step is then taken whole when the exchange ends, as `delayed` takes it.
+//!
+//! A pending exchange that will never be applied (the node stops with one in flight) is
+//! dropped with [`OverlappedOuter::drop_pending`], which takes eager's own step back: the
+//! worker is left as it was before the hand-off, ready to redo the round.
+//!
 //! At most one exchange is pending: a worker whose next round ends before its pending exchange
 //! does waits for it (the caller's business) before it hands off again.
 
@@ -133,8 +141,12 @@ struct Pending {
     /// round trains on from; eager's next round trains from the anchor after its own step,
     /// which the anchor still is when the exchange is applied).
     handed_off: Vec<Tensor>,
-    /// Round t's row as planned (eager's own term used its self weight; delayed needs none).
-    nominal: Option<MixingRow>,
+    /// Round t's row as planned, when eager took its own step at the hand-off with its self
+    /// weight; `None` when no step was taken then (delayed, or eager without the row).
+    own_step: Option<MixingRow>,
+    /// Eager's outer optimizer as it was before its own step (to take that step back when
+    /// the exchange is dropped).
+    outer_before: Option<OuterOptimizer>,
     /// What the exchange gave, once it arrived: `Δ_t` (delayed) or `L_t` (eager).
     arrived: Option<Option<Vec<Tensor>>>,
 }
@@ -166,10 +178,6 @@ pub enum OverlapError {
     NotPending(u64),
     #[error("round {0}'s exchange has not arrived yet")]
     NotArrived(u64),
-    #[error(
-        "round {0}: eager overlap takes its outer step at the hand-off and needs the round's row"
-    )]
-    EagerNeedsRow(u64),
 }
 
 impl OverlappedOuter {
@@ -199,9 +207,10 @@ impl OverlappedOuter {
     }
 
     /// Round `round`'s inner steps ended with `local` (`x_t`), handed to the exchange with the
-    /// planned row `nominal`. Eager takes its outer step here with the row's self weight and
-    /// returns the new anchor as the local model (it needs the row); delayed changes nothing
-    /// (it needs none: the networked node hands off before it knows the row).
+    /// planned row `nominal` when it is known. Eager takes its own outer step here with the
+    /// row's self weight and returns the new anchor as the local model; without the row it
+    /// changes nothing, like delayed (which never needs one), and the whole step waits for
+    /// the exchange.
     pub fn hand_off(
         &mut self,
         round: u64,
@@ -216,27 +225,24 @@ impl OverlappedOuter {
                 pending: p.round,
             });
         }
-        let nominal = match (self.mode, nominal) {
-            (Overlap::Eager, None) => return Err(OverlapError::EagerNeedsRow(round)),
-            (_, Some(row)) => Some(row.clone()),
-            (_, None) => None,
-        };
         let handed_off = copies(local);
         let theta = copies(anchor);
-        let changed = match self.mode {
-            Overlap::None => return Err(OverlapError::NotOverlapped),
-            Overlap::Delayed => LocalModel::Unchanged,
-            Overlap::Eager => {
-                let row = nominal.as_ref().expect("checked above");
+        let (own_step, outer_before, changed) = match (self.mode, nominal) {
+            (Overlap::None, _) => return Err(OverlapError::NotOverlapped),
+            (Overlap::Eager, Some(row)) => {
+                let before = outer.snapshot();
                 outer.step(anchor, &own_term(row, anchor, &handed_off));
-                LocalModel::Replace(copies(anchor))
+                let changed = LocalModel::Replace(copies(anchor));
+                (Some(row.clone()), Some(before), changed)
             }
+            (Overlap::Delayed | Overlap::Eager, _) => (None, None, LocalModel::Unchanged),
         };
         self.pending = Some(Pending {
             round,
             anchor: theta,
             handed_off,
-            nominal,
+            own_step,
+            outer_before,
             arrived: None,
         });
         Ok(changed)
@@ -244,14 +250,14 @@ impl OverlappedOuter {
 
     /// Round `round`'s exchange ended: `applied` is its row (a neighbour that sent nothing
     /// usable removed), `received(j)` neighbour j's decoded local model. Computes what the
-    /// exchange gives (`Δ_t` or `L_t`); [`Self::apply`] takes it into the anchor.
+    /// exchange gives (`Δ_t`, or `L_t` after eager's own step); [`Self::apply`] takes it into
+    /// the anchor.
     pub fn arrived<'a>(
         &mut self,
         round: u64,
         applied: &MixingRow,
         received: impl Fn(usize) -> &'a [Tensor],
     ) -> Result<(), OverlapError> {
-        let mode = self.mode;
         let p = self
             .pending
             .as_mut()
@@ -266,22 +272,17 @@ impl OverlappedOuter {
                 received(j)
             }
         };
-        let gives = match mode {
-            Overlap::Delayed => Some(mixed_pseudo_gradient(applied, theta, model)),
-            _ => late_term(
-                p.nominal.as_ref().expect("eager hands off with its row"),
-                applied,
-                theta,
-                model,
-            ),
+        let gives = match &p.own_step {
+            None => Some(mixed_pseudo_gradient(applied, theta, model)),
+            Some(nominal) => late_term(nominal, applied, theta, model),
         };
         p.arrived = Some(gives);
         Ok(())
     }
 
     /// Takes the arrived exchange into the worker: delayed steps the anchor with `Δ_t`, eager
-    /// adds `L_t` to its own step; either carries `local`'s progress onto the new anchor (the
-    /// returned local model).
+    /// adds `L_t` to its own step (or, without one, steps with `Δ_t` as delayed does); either
+    /// carries `local`'s progress onto the new anchor (the returned local model).
     pub fn apply(
         &mut self,
         anchor: &mut [Tensor],
@@ -301,12 +302,12 @@ impl OverlappedOuter {
             return Ok(LocalModel::Unchanged);
         };
         // The progress carried is the local model less what the next round trained from.
-        let carried = match self.mode {
-            Overlap::Delayed => {
+        let carried = match p.own_step {
+            None => {
                 outer.step(anchor, &gives);
                 carry_progress(local, &p.handed_off, anchor)
             }
-            _ => {
+            Some(_) => {
                 let trained_from = copies(anchor);
                 outer.add_to_last_step(anchor, &gives);
                 carry_progress(local, &trained_from, anchor)
@@ -325,19 +326,35 @@ impl OverlappedOuter {
     ) -> Result<Vec<Tensor>, OverlapError> {
         let mut settled = copies(anchor);
         let mut outer = outer.snapshot();
-        let pending_gives = match &self.pending {
-            Some(p) => match &p.arrived {
-                Some(g) => g.as_ref(),
-                None => return Err(OverlapError::NotArrived(p.round)),
-            },
-            None => None,
+        let Some(p) = &self.pending else {
+            return Ok(settled);
         };
-        match (self.mode, pending_gives) {
-            (Overlap::Delayed, Some(delta)) => outer.step(&mut settled, delta),
-            (_, Some(late)) => outer.add_to_last_step(&mut settled, late),
-            (_, None) => {}
+        match (&p.arrived, &p.own_step) {
+            (None, _) => return Err(OverlapError::NotArrived(p.round)),
+            (Some(None), _) => {}
+            (Some(Some(delta)), None) => outer.step(&mut settled, delta),
+            (Some(Some(late)), Some(_)) => outer.add_to_last_step(&mut settled, late),
         }
         Ok(settled)
+    }
+
+    /// Drops the pending exchange, if any, without applying it: eager's own step is taken
+    /// back, so `anchor` and `outer` are again what round `t` started from, and `t` (returned)
+    /// is the round to redo. The caller resets its trainer to the anchor.
+    pub fn drop_pending(
+        &mut self,
+        anchor: &mut [Tensor],
+        outer: &mut OuterOptimizer,
+    ) -> Option<u64> {
+        let p = self.pending.take()?;
+        if let Some(before) = p.outer_before {
+            let _guard = tch::no_grad_guard();
+            for (a, theta) in anchor.iter_mut().zip(&p.anchor) {
+                a.copy_(theta);
+            }
+            *outer = before;
+        }
+        Some(p.round)
     }
 }
 
@@ -531,6 +548,68 @@ mod tests {
     }
 
     #[test]
+    fn eager_handed_off_without_its_row_takes_the_whole_step_as_delayed_does() {
+        let config = outer_config();
+        let start = model(1);
+        let models = [model(2), model(3)];
+        let row = MixingRow::uniform(0, &[1]);
+        let local: Vec<Tensor> = models[0].iter().zip(model(5)).map(|(h, p)| h + p).collect();
+        let mut anchors = Vec::new();
+        for mode in [Overlap::Delayed, Overlap::Eager] {
+            let mut anchor = copies(&start);
+            let mut outer = OuterOptimizer::new(&config, &start);
+            let mut overlap = OverlappedOuter::new(mode).unwrap();
+            let kept = overlap
+                .hand_off(4, None, &mut anchor, &mut outer, &models[0])
+                .unwrap();
+            assert!(matches!(kept, LocalModel::Unchanged), "{mode:?}");
+            assert!(same(&anchor, &start), "{mode:?}: no step at the hand-off");
+            overlap.arrived(4, &row, |j| &models[j]).unwrap();
+            let settled = overlap.settled_anchor(&anchor, &outer).unwrap();
+            let LocalModel::Replace(carried) =
+                overlap.apply(&mut anchor, &mut outer, &local).unwrap()
+            else {
+                panic!("{mode:?}: the step moves the anchor");
+            };
+            assert!(same(&settled, &anchor), "{mode:?}");
+            anchors.push((anchor, carried, outer.snapshot()));
+        }
+        let ((a_d, c_d, o_d), (a_e, c_e, o_e)) = (&anchors[0], &anchors[1]);
+        assert!(same(a_d, a_e) && same(c_d, c_e) && same(o_d.momentum(), o_e.momentum()));
+    }
+
+    #[test]
+    fn a_dropped_exchange_leaves_the_worker_as_before_the_hand_off() {
+        // Eager's own step is taken back bit for bit; delayed had taken none.
+        let config = outer_config();
+        let start = model(1);
+        let row = MixingRow::uniform(0, &[1]);
+        for mode in [Overlap::Delayed, Overlap::Eager] {
+            let mut anchor = copies(&start);
+            let mut outer = OuterOptimizer::new(&config, &start);
+            // A round first, so that the momentum is not zero.
+            let mut overlap = OverlappedOuter::new(mode).unwrap();
+            overlap
+                .hand_off(0, Some(&row), &mut anchor, &mut outer, &model(2))
+                .unwrap();
+            overlap.arrived(0, &row, |_| &start).unwrap();
+            overlap.apply(&mut anchor, &mut outer, &model(2)).unwrap();
+            let (anchor_before, outer_before) = (copies(&anchor), outer.snapshot());
+            overlap
+                .hand_off(1, Some(&row), &mut anchor, &mut outer, &model(3))
+                .unwrap();
+            assert_eq!(overlap.drop_pending(&mut anchor, &mut outer), Some(1));
+            assert!(same(&anchor, &anchor_before), "{mode:?}: anchor");
+            assert!(
+                same(outer.momentum(), outer_before.momentum()),
+                "{mode:?}: momentum"
+            );
+            assert_eq!(overlap.pending_round(), None);
+            assert_eq!(overlap.drop_pending(&mut anchor, &mut outer), None);
+        }
+    }
+
+    #[test]
     fn calls_out_of_order_are_errors_not_panics() {
         let config = outer_config();
         let mut anchor = model(1);
@@ -540,13 +619,6 @@ mod tests {
         assert_eq!(
             OverlappedOuter::new(Overlap::None).err(),
             Some(OverlapError::NotOverlapped)
-        );
-        let mut eager = OverlappedOuter::new(Overlap::Eager).unwrap();
-        assert_eq!(
-            eager
-                .hand_off(2, None, &mut anchor, &mut outer, &local)
-                .err(),
-            Some(OverlapError::EagerNeedsRow(2))
         );
         let mut overlap = OverlappedOuter::new(Overlap::Delayed).unwrap();
         assert_eq!(

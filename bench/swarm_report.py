@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""bench/swarm_report: what a swarm benchmark's configurations did, from their round records.
+
+usage: swarm_report.py OUT_DIR REFERENCE CONFIG [CONFIG ...]
+
+Each configuration's directory OUT_DIR/<config>/ holds `period_ms` (the round period) and
+node*/rounds.jsonl (`gasloc-node join --report`). A round's validation loss counts at the
+wall-clock time its outer step was done, `round * period + round_s` from genesis; the swarm's
+curve is the mean over the nodes that reported the round (at least all but one).
+
+Printed per configuration: seconds until the swarm's mean validation loss first reaches the
+target (the worst configuration's best mean, so that every configuration reaches it), its
+best mean loss, compute utilisation (trainer busy time over wall time, all nodes), the idle
+share (1 − utilisation), the share of round time spent waiting for the exchange (`wait_s` over
+`round_s`), inner steps, and each configuration's time-to-target ratio against REFERENCE.
+"""
+import glob
+import json
+import sys
+
+
+def load(out, config):
+    period = int(open(f"{out}/{config}/period_ms").read()) / 1000
+    points = {}  # round -> [(round_s, val_loss)]
+    totals = dict(steps=0.0, wait=0.0, round=0.0, train=0.0, wall=0.0)
+    nodes = sorted(glob.glob(f"{out}/{config}/node*/rounds.jsonl"))
+    for path in nodes:
+        for line in open(path):
+            r = json.loads(line)
+            totals["steps"] += r["inner_steps"]
+            totals["wait"] += r["wait_s"]
+            totals["round"] += r["round_s"]
+            totals["train"] += r.get("train_s", 0.0)
+            totals["wall"] += r.get("wall_s", 0.0)
+            if r.get("val_loss") is not None:
+                points.setdefault(r["round"], []).append((r["round_s"], r["val_loss"]))
+    curve = []
+    for rnd in sorted(points):
+        ends = [s for s, _ in points[rnd]]
+        losses = [v for _, v in points[rnd]]
+        if len(losses) >= max(1, len(nodes) - 1):
+            curve.append((rnd * period + max(ends), sum(losses) / len(losses)))
+    return dict(curve=curve, nodes=len(nodes), **totals)
+
+
+def main():
+    if len(sys.argv) < 4:
+        sys.exit(__doc__)
+    out, reference, configs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    runs = {c: load(out, c) for c in configs}
+    empty = [c for c, r in runs.items() if not r["curve"]]
+    if empty:
+        sys.exit(f"no validation losses from {', '.join(empty)}: see the logs in {out}")
+    target = max(min(v for _, v in r["curve"]) for r in runs.values())
+    print(f"target mean val_loss: {target:.4f} (the worst configuration's best)")
+    reached = {}
+    for c, r in runs.items():
+        reached[c] = next(t for t, v in r["curve"] if v <= target)
+        util = r["train"] / r["wall"] if r["wall"] else 0.0
+        wait = r["wait"] / r["round"] if r["round"] else 0.0
+        best = min(v for _, v in r["curve"])
+        print(
+            f"  {c:24s} time to target {reached[c]:6.1f} s   best mean val_loss {best:.4f}   "
+            f"utilisation {util:.3f}   idle share {1 - util:5.1%}   exchange wait {wait:5.1%}   "
+            f"inner steps {r['steps']:.0f}"
+        )
+    for c in configs:
+        if c != reference:
+            print(f"  ratio {c} / {reference} time to target: {reached[c] / reached[reference]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
