@@ -10,8 +10,10 @@ curve is the mean over the nodes that reported the round (at least all but one).
 
 Printed per configuration: seconds until the swarm's mean validation loss first reaches the
 target (the worst configuration's best mean, so that every configuration reaches it), its
-best mean loss, compute utilisation (trainer busy time over wall time, all nodes), the idle
-share (1 − utilisation), the share of round time spent waiting for the exchange (`wait_s` over
+best mean loss, compute utilisation (trainer busy time over wall time, all nodes), the same
+from each node's second round on (`steady`: a node's first round also holds its joining and,
+with overlapped rounds, an exchange that no earlier round's steps hid), the idle share
+(1 − utilisation), the share of round time spent waiting for the exchange (`wait_s` over
 `round_s`), inner steps, and each configuration's time-to-target ratio against REFERENCE.
 """
 import glob
@@ -22,11 +24,14 @@ import sys
 def load(out, config):
     period = int(open(f"{out}/{config}/period_ms").read()) / 1000
     points = {}  # round -> [(round_s, val_loss)]
-    totals = dict(steps=0.0, wait=0.0, round=0.0, train=0.0, wall=0.0)
+    totals = dict(steps=0.0, wait=0.0, round=0.0, train=0.0, wall=0.0, steady_train=0.0, steady_wall=0.0)
     nodes = sorted(glob.glob(f"{out}/{config}/node*/rounds.jsonl"))
     for path in nodes:
-        for line in open(path):
+        for i, line in enumerate(open(path)):
             r = json.loads(line)
+            if i > 0:
+                totals["steady_train"] += r.get("train_s", 0.0)
+                totals["steady_wall"] += r.get("wall_s", 0.0)
             totals["steps"] += r["inner_steps"]
             totals["wait"] += r["wait_s"]
             totals["round"] += r["round_s"]
@@ -57,11 +62,12 @@ def main():
     for c, r in runs.items():
         reached[c] = next(t for t, v in r["curve"] if v <= target)
         util = r["train"] / r["wall"] if r["wall"] else 0.0
+        steady = r["steady_train"] / r["steady_wall"] if r["steady_wall"] else 0.0
         wait = r["wait"] / r["round"] if r["round"] else 0.0
         best = min(v for _, v in r["curve"])
         print(
             f"  {c:24s} time to target {reached[c]:6.1f} s   best mean val_loss {best:.4f}   "
-            f"utilisation {util:.3f}   idle share {1 - util:5.1%}   exchange wait {wait:5.1%}   "
+            f"utilisation {util:.3f} (steady {steady:.3f})   idle share {1 - util:5.1%}   exchange wait {wait:5.1%}   "
             f"inner steps {r['steps']:.0f}"
         )
     for c in configs:

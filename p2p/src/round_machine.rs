@@ -56,8 +56,8 @@ pub struct MachineConfig {
     pub upload_cap: Option<u64>,
     /// Fault injection for tests: never publish reveals (the node gets excluded).
     pub withhold_reveals: bool,
-    /// Overlapped rounds (`[outer] overlap` other than `none`): the inner steps' deadline
-    /// reserves no time for the exchange, and once a round's exchange has started the next
+    /// Overlapped rounds (`[outer] overlap` other than `none`): the inner steps run to the
+    /// round's end (no time reserved for the exchange or the outer step), and once a round's exchange has started the next
     /// round may start training beside it. At most one round is handed off: the next one
     /// exchanges only after it has finished.
     pub overlap: bool,
@@ -368,15 +368,16 @@ impl RoundMachine {
         }
     }
 
-    /// The round in flight if it is `round` in `phase`: a result for any other is stale or
-    /// out of order, and ignored.
-    /// The exchange time a round's inner steps leave room for: the predicted exchange, or
-    /// none when rounds overlap (the exchange runs beside the next round's steps).
-    fn reserved_exchange_s(&self, predicted_s: f64) -> f64 {
+    /// When round `round`'s inner steps should end. Blocking rounds: the round's end less the
+    /// predicted exchange, the outer step's measured time and a margin ([`train_deadline`]).
+    /// Overlapped rounds: the round's end itself — the exchange and the outer step run beside
+    /// the next round's inner steps, which start where these end, so nothing is reserved.
+    fn deadline_of(&self, round: u64, predicted_exchange_s: f64) -> u64 {
+        let timing = self.schedule.timing();
         if self.config.overlap {
-            0.0
+            timing.round_start(round + 1)
         } else {
-            predicted_s
+            train_deadline(timing, round, predicted_exchange_s, self.finish_time.get())
         }
     }
 
@@ -617,12 +618,7 @@ impl RoundMachine {
                 None,
                 self.config.upload_cap,
             );
-            let deadline_ms = train_deadline(
-                &timing,
-                round,
-                self.reserved_exchange_s(predicted),
-                self.finish_time.get(),
-            );
+            let deadline_ms = self.deadline_of(round, predicted);
             out.push(Output::Status(StatusChange::RoundStarted(round)));
             out.push(Output::StartTraining { round, deadline_ms });
             self.next_round = round + 1;
@@ -664,6 +660,16 @@ impl RoundMachine {
     /// predicted with their links.
     fn take_plan(&mut self, plan: RoundPlan, decided_at: u64, out: &mut Vec<Output>) {
         let timing = self.schedule.timing().clone();
+        let Some(round) = self.active.as_ref().map(|a| a.round) else {
+            return;
+        };
+        let predicted = self.links.predicted_exchange_s(
+            self.config.payload_bytes,
+            &timing,
+            Some(&plan.neighbours),
+            self.config.upload_cap,
+        );
+        let deadline_ms = self.deadline_of(round, predicted);
         let Some(a) = self.active.as_mut() else {
             return;
         };
@@ -676,16 +682,8 @@ impl RoundMachine {
                 row: plan.mixing_row(timing.topology, &self.me, &[]),
             });
         }
-        let predicted = self.links.predicted_exchange_s(
-            self.config.payload_bytes,
-            &timing,
-            Some(&plan.neighbours),
-            self.config.upload_cap,
-        );
         a.predicted_exchange_s = predicted;
         a.decided_at_ms = decided_at;
-        let reserved = if self.config.overlap { 0.0 } else { predicted };
-        let deadline_ms = train_deadline(&timing, a.round, reserved, self.finish_time.get());
         if a.phase == Phase::Training && deadline_ms != a.deadline_ms {
             a.deadline_ms = deadline_ms;
             out.push(Output::MoveDeadline {
@@ -1310,8 +1308,8 @@ mod tests {
         let mut s = Swarm::with_overlap(2, Topology::OnePeer, 3, start(0) - PERIOD, true);
         s.tick(start(0) - 1000);
         let started = s.tick(start(0));
-        // No exchange time reserved: the deadline leaves the margin (5 % of the period) only.
-        assert_eq!(training_of(&started[0]), Some((0, start(1) - 500)));
+        // Nothing reserved: the steps run to the round's end.
+        assert_eq!(training_of(&started[0]), Some((0, start(1))));
         s.tick(start(0) + 1000);
         // Everyone commits to round 1; round 0 ends its steps near the round's end and hands
         // off its payload.
@@ -1322,7 +1320,7 @@ mod tests {
         assert_eq!(s.machines[0].handed_off(), Some((0, Phase::Exchanging)));
         // Round 1 starts on time, its exchange of round 0 still under way.
         let started = s.input(0, Input::Tick, start(1));
-        assert_eq!(training_of(&started), Some((1, start(2) - 500)));
+        assert_eq!(training_of(&started), Some((1, start(2))));
         assert_eq!(s.machines[0].phase(), Some((1, Phase::Training)));
         // Round 0's exchange and outer step end during round 1: its record.
         let out = s.input(
