@@ -9,8 +9,9 @@
 //! at the hand-off, while the exchange was pending — and is killed with SIGKILL while an
 //! exchange is under way: its partner of that round fails mid-exchange, mixes it as missing
 //! and goes on; restarted, node 4 resumes from that checkpoint. `eager`: node 3 (capped) is
-//! stopped with SIGTERM while an exchange is under way: it completes that round and the one
-//! training, saves, and resumes there when restarted. Every node ends cleanly and its
+//! stopped with SIGTERM while an exchange is under way: it completes that round, saves, and
+//! resumes there when restarted; a fifth node joins late and syncs the swarm's state (the
+//! anchors and outer momenta of nodes whose rounds overlap). Every node ends cleanly and its
 //! validation loss falls.
 
 use gasloc_tests::{
@@ -191,11 +192,24 @@ fn eager_overlapped_rounds_stop_cleanly_mid_exchange_and_resume() {
         Some(newest.to_string()),
         "{resumed}"
     );
+    // A late joiner: its state comes from the live nodes, each mid-overlap.
+    let mut joiner = start_join(dir, &boot, &data, 5, &["--rounds", "2"]);
+    let synced = joiner.wait_for_line("state_synced_from=", long);
+    let sources: usize = field(&synced, "sources").unwrap().parse().unwrap();
+    assert!(sources >= 2, "{synced}");
     for node in nodes.iter_mut().filter(|n| n.name != "node3") {
         node.expect_success(Duration::from_secs(120));
     }
     restarted.expect_success(Duration::from_secs(60));
+    joiner.expect_success(Duration::from_secs(60));
 
+    // The joiner starts where the swarm is: its first validation loss is below every
+    // original node's first.
+    let first = |i: usize| val_losses(&read_report(&home(i)))[0];
+    let joined = first(5);
+    for i in [1, 2, 4] {
+        assert!(joined < first(i), "node5 {joined} vs node{i} {}", first(i));
+    }
     for i in 1..=4 {
         let records = read_report(&home(i));
         let losses = val_losses(&records);
