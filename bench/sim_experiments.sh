@@ -3,7 +3,8 @@
 # (the tiny model on Shakespeare bytes, 8 workers, 1 libtorch thread per run).
 #
 # usage: [SIM_ROUNDS_H30=12] [SIM_ROUNDS_H1=150] bench/sim_experiments.sh [1 2 3 4 5 …]  (default: 1–5)
-#        [SIM_ROUNDS_OVERLAP=30] [SIM_SEEDS="1234 99"] [SIM_MODEL=demo] bench/sim_experiments.sh 6
+#        [SIM_ROUNDS_OVERLAP=30] [SIM_SEEDS="1234 99"] [SIM_LINKS="one-peer:8 two-peer:16"]
+#        [SIM_MODES="none delayed eager"] [SIM_MODEL=demo] bench/sim_experiments.sh 6
 #        (overlapped rounds; SIM_MODEL=demo: the demo model's shape, d 128, 4 layers, instead
 #        of the tiny one, same data settings)
 # Writes runs/exp/<name>/ (rounds.csv, workers.csv, rounds.json, summary.md, loss.svg) and the
@@ -93,11 +94,13 @@ exp5() { # stragglers: one worker at 10 % / 20 % bandwidth; fixed 20 ms simulate
 exp6() { # overlapped rounds: none / delayed / eager on one-peer and two-peer; 25 ms simulated
   # steps (H = 30: 0.75 s of compute) and links at which a blocking exchange takes about 40 %
   # of the round (one-peer: one 0.53 MB payload at 8 Mbit/s; two-peer: two at 16 Mbit/s).
-  # SIM_SEEDS (default 1234) names the run seeds, SIM_LINKS the topology:Mbit/s pairs.
+  # SIM_SEEDS (default 1234) names the run seeds, SIM_LINKS the topology:Mbit/s pairs,
+  # SIM_MODES the overlap modes. With SIM_MODEL=demo (3.2 MB payload) the links for the same
+  # 40 % are one-peer:50 two-peer:100.
   local ro=${SIM_ROUNDS_OVERLAP:-30} seed t mode
   for seed in ${SIM_SEEDS:-1234}; do
     for t in ${SIM_LINKS:-one-peer:8 two-peer:16}; do
-      for mode in none delayed eager; do
+      for mode in ${SIM_MODES:-none delayed eager}; do
         SIM_SEED=$seed sim "e6-${SIM_MODEL:-tiny}-${t%%:*}-$mode-seed$seed" "$ro" $((ro * 30)) \
           "topology = \"${t%%:*}\"\ninner_steps = 30\noverlap = \"$mode\"" '' \
           --step-time-ms 25 --bandwidth-mbps "${t##*:}" --latency-ms 20 --eval-every 5
