@@ -107,6 +107,7 @@ bench: setup
 	bench/control_plane_scale
 	bench/round_scale
 	bash bench/straggler.sh target/release $(DATA)/shakespeare-byte
+	bash bench/overlap.sh target/release $(DATA)/shakespeare-byte
 	bash bench/gate_cost.sh target/release $(DATA)/shakespeare-byte
 
 # The decoders that meet a stranger's bytes, under cargo-fuzz (nightly, libFuzzer), one
