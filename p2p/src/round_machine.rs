@@ -57,8 +57,8 @@ pub struct MachineConfig {
     /// Fault injection for tests: never publish reveals (the node gets excluded).
     pub withhold_reveals: bool,
     /// Overlapped rounds (`[outer] overlap` other than `none`): the inner steps run to the
-    /// round's end (no time reserved for the exchange or the outer step), and once a round's exchange has started the next
-    /// round may start training beside it. At most one round is handed off: the next one
+    /// round's end (no time reserved for the exchange or the outer step), and once a round's
+    /// exchange has started the next round may start training beside it. At most one round is handed off: the next one
     /// exchanges only after it has finished.
     pub overlap: bool,
 }
@@ -660,16 +660,14 @@ impl RoundMachine {
     /// predicted with their links.
     fn take_plan(&mut self, plan: RoundPlan, decided_at: u64, out: &mut Vec<Output>) {
         let timing = self.schedule.timing().clone();
-        let Some(round) = self.active.as_ref().map(|a| a.round) else {
-            return;
-        };
         let predicted = self.links.predicted_exchange_s(
             self.config.payload_bytes,
             &timing,
             Some(&plan.neighbours),
             self.config.upload_cap,
         );
-        let deadline_ms = self.deadline_of(round, predicted);
+        // The plan is the active round's (`on_decided` and the round start check it).
+        let deadline_ms = self.deadline_of(plan.round, predicted);
         let Some(a) = self.active.as_mut() else {
             return;
         };

@@ -70,26 +70,6 @@ impl Proc {
         std::fs::read_to_string(&self.stdout).unwrap_or_default()
     }
 
-    /// Waits (bounded) until a stderr line (the log) contains `needle`; returns that line.
-    pub fn wait_for_log(&mut self, needle: &str, bound: Duration) -> String {
-        let start = Instant::now();
-        while start.elapsed() < bound {
-            let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
-            if let Some(line) = text.lines().find(|l| l.contains(needle)) {
-                return line.to_string();
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("{} exited ({status}) before logging {needle:?}", self.name);
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!(
-            "{} did not log {needle:?} within {bound:?}:\n{}",
-            self.name,
-            self.stderr_tail()
-        );
-    }
-
     /// The last lines of stderr, for assertion messages.
     pub fn stderr_tail(&self) -> String {
         let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
@@ -99,14 +79,42 @@ impl Proc {
 
     /// Waits (bounded) until a stdout line starts with `prefix`; returns that line.
     pub fn wait_for_line(&mut self, prefix: &str, bound: Duration) -> String {
+        self.wait_for_text(
+            &self.stdout.clone(),
+            bound,
+            &format!("print {prefix:?}"),
+            |l| l.starts_with(prefix),
+        )
+    }
+
+    /// Waits (bounded) until a stderr line (the log) contains `needle`; returns that line.
+    pub fn wait_for_log(&mut self, needle: &str, bound: Duration) -> String {
+        self.wait_for_text(
+            &self.stderr.clone(),
+            bound,
+            &format!("log {needle:?}"),
+            |l| l.contains(needle),
+        )
+    }
+
+    /// Polls `path` until a line matches; panics, naming `what` and showing the last stderr
+    /// lines, when the process exits first or `bound` passes.
+    fn wait_for_text(
+        &mut self,
+        path: &Path,
+        bound: Duration,
+        what: &str,
+        matches: impl Fn(&str) -> bool,
+    ) -> String {
         let start = Instant::now();
         while start.elapsed() < bound {
-            if let Some(line) = self.output().lines().find(|l| l.starts_with(prefix)) {
+            let text = std::fs::read_to_string(path).unwrap_or_default();
+            if let Some(line) = text.lines().find(|l| matches(l)) {
                 return line.to_string();
             }
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!(
-                    "{} exited ({status}) before printing {prefix:?}:\n{}",
+                    "{} exited ({status}) before it did {what}:\n{}",
                     self.name,
                     self.stderr_tail()
                 );
@@ -114,10 +122,20 @@ impl Proc {
             std::thread::sleep(Duration::from_millis(100));
         }
         panic!(
-            "{} did not print {prefix:?} within {bound:?}:\n{}",
+            "{} did not {what} within {bound:?}:\n{}",
             self.name,
             self.stderr_tail()
         );
+    }
+
+    /// The rounds of the `checkpoint=… round=R` lines printed so far (each the round the
+    /// checkpoint resumes at).
+    pub fn checkpoint_rounds(&self) -> Vec<u64> {
+        self.output()
+            .lines()
+            .filter(|l| l.starts_with("checkpoint="))
+            .filter_map(|l| field(l, "round")?.parse().ok())
+            .collect()
     }
 
     /// Waits (bounded) for a `checkpoint=… round=R` line with `R ≥ min_round`; returns the
@@ -125,12 +143,7 @@ impl Proc {
     pub fn wait_for_checkpoint_round(&self, min_round: u64, bound: Duration) -> u64 {
         let start = Instant::now();
         while start.elapsed() < bound {
-            let round = self
-                .output()
-                .lines()
-                .filter(|l| l.starts_with("checkpoint="))
-                .filter_map(|l| field(l, "round")?.parse::<u64>().ok())
-                .max();
+            let round = self.checkpoint_rounds().into_iter().max();
             if let Some(r) = round.filter(|&r| r >= min_round) {
                 return r;
             }

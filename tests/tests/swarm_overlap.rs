@@ -128,15 +128,6 @@ fn overlapped_rounds_train_through_slow_exchanges_a_kill_and_a_restart() {
     assert!(missed_node4, "no partner saw node 4 fail");
 }
 
-/// The rounds of a node's `checkpoint=…` lines (each the round the checkpoint resumes at).
-fn checkpoint_rounds(node: &Proc) -> Vec<u64> {
-    node.output()
-        .lines()
-        .filter(|l| l.starts_with("checkpoint="))
-        .filter_map(|l| field(l, "round")?.parse().ok())
-        .collect()
-}
-
 #[test]
 fn eager_overlapped_rounds_stop_cleanly_mid_exchange_and_resume() {
     let dir = tempfile::tempdir().unwrap();
@@ -175,7 +166,7 @@ fn eager_overlapped_rounds_stop_cleanly_mid_exchange_and_resume() {
         stopped.iter().any(|r| r["round"] == exchanging),
         "the round exchanging at the stop ({exchanging}) has no record"
     );
-    let newest = *checkpoint_rounds(&nodes[2]).iter().max().unwrap();
+    let newest = nodes[2].checkpoint_rounds().into_iter().max().unwrap();
     assert_eq!(
         newest,
         last + 1,

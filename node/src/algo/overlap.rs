@@ -141,14 +141,20 @@ struct Pending {
     /// round trains on from; eager's next round trains from the anchor after its own step,
     /// which the anchor still is when the exchange is applied).
     handed_off: Vec<Tensor>,
-    /// Round t's row as planned, when eager took its own step at the hand-off with its self
-    /// weight; `None` when no step was taken then (delayed, or eager without the row).
-    own_step: Option<MixingRow>,
-    /// Eager's outer optimizer as it was before its own step (to take that step back when
-    /// the exchange is dropped).
-    outer_before: Option<OuterOptimizer>,
+    /// Eager's own step, when it took one at the hand-off; `None` when no step was taken
+    /// then (delayed, or eager without the row).
+    own_step: Option<OwnStep>,
     /// What the exchange gave, once it arrived: `Δ_t` (delayed) or `L_t` (eager).
     arrived: Option<Option<Vec<Tensor>>>,
+}
+
+/// Eager's own outer step at the hand-off.
+struct OwnStep {
+    /// Round t's row as planned (the step used its self weight).
+    nominal: MixingRow,
+    /// The outer optimizer as it was before the step (to take it back when the exchange is
+    /// dropped).
+    outer_before: OuterOptimizer,
 }
 
 /// One worker's outer step when rounds overlap: its pending exchange. The anchor and the
@@ -227,22 +233,24 @@ impl OverlappedOuter {
         }
         let handed_off = copies(local);
         let theta = copies(anchor);
-        let (own_step, outer_before, changed) = match (self.mode, nominal) {
+        let (own_step, changed) = match (self.mode, nominal) {
             (Overlap::None, _) => return Err(OverlapError::NotOverlapped),
             (Overlap::Eager, Some(row)) => {
-                let before = outer.snapshot();
+                let outer_before = outer.snapshot();
                 outer.step(anchor, &own_term(row, anchor, &handed_off));
-                let changed = LocalModel::Replace(copies(anchor));
-                (Some(row.clone()), Some(before), changed)
+                let step = OwnStep {
+                    nominal: row.clone(),
+                    outer_before,
+                };
+                (Some(step), LocalModel::Replace(copies(anchor)))
             }
-            (Overlap::Delayed | Overlap::Eager, _) => (None, None, LocalModel::Unchanged),
+            (Overlap::Delayed | Overlap::Eager, _) => (None, LocalModel::Unchanged),
         };
         self.pending = Some(Pending {
             round,
             anchor: theta,
             handed_off,
             own_step,
-            outer_before,
             arrived: None,
         });
         Ok(changed)
@@ -274,7 +282,7 @@ impl OverlappedOuter {
         };
         let gives = match &p.own_step {
             None => Some(mixed_pseudo_gradient(applied, theta, model)),
-            Some(nominal) => late_term(nominal, applied, theta, model),
+            Some(own) => late_term(&own.nominal, applied, theta, model),
         };
         p.arrived = Some(gives);
         Ok(())
@@ -347,12 +355,12 @@ impl OverlappedOuter {
         outer: &mut OuterOptimizer,
     ) -> Option<u64> {
         let p = self.pending.take()?;
-        if let Some(before) = p.outer_before {
+        if let Some(own) = p.own_step {
             let _guard = tch::no_grad_guard();
             for (a, theta) in anchor.iter_mut().zip(&p.anchor) {
                 a.copy_(theta);
             }
-            *outer = before;
+            *outer = own.outer_before;
         }
         Some(p.round)
     }
