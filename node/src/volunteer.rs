@@ -519,8 +519,8 @@ impl RoundTrainer {
     /// `θ_i − x_i` — and lets [`PayloadGate`] judge (`gasloc_proto::gate`).
     fn screen(&mut self, candidates: Vec<Candidate>) -> Result<Vec<Screened>> {
         let _guard = tch::no_grad_guard();
-        let own_delta: Vec<Tensor> = self
-            .anchor
+        let anchor = self.round_anchor();
+        let own_delta: Vec<Tensor> = anchor
             .iter()
             .zip(self.own_payload_model())
             .map(|(a, x)| a - x)
@@ -532,7 +532,7 @@ impl RoundTrainer {
             .sqrt();
         let mut measured = Vec::with_capacity(candidates.len());
         for candidate in &candidates {
-            measured.push(self.measure(&candidate.tensors, &own_delta, own_distance));
+            measured.push(self.measure(&candidate.tensors, &anchor, &own_delta, own_distance));
         }
         let stats: Vec<PayloadStats> = measured
             .iter()
@@ -570,6 +570,7 @@ impl RoundTrainer {
     fn measure(
         &self,
         set: &TensorSet,
+        anchor: &[Tensor],
         own_delta: &[Tensor],
         own_distance: f64,
     ) -> Result<PayloadStats, Refusal> {
@@ -580,7 +581,7 @@ impl RoundTrainer {
             .tensors
             .iter()
             .zip(&self.shapes)
-            .zip(self.anchor.iter().zip(own_delta))
+            .zip(anchor.iter().zip(own_delta))
         {
             let malformed = |e: anyhow::Error| Refusal::Malformed {
                 tensor: wire.name.clone(),
@@ -616,6 +617,16 @@ impl RoundTrainer {
             distance,
             cosine,
         })
+    }
+
+    /// The anchor the round being screened started from, `θ_i`: the anchor, or with an
+    /// overlapped round pending the one it started from (eager has moved the anchor by its
+    /// own step since).
+    fn round_anchor(&self) -> Vec<Tensor> {
+        match self.overlap.as_ref().and_then(|o| o.pending_anchor()) {
+            Some(anchor) => anchor.iter().map(Tensor::shallow_clone).collect(),
+            None => self.anchor.iter().map(Tensor::shallow_clone).collect(),
+        }
     }
 
     /// This node's model as it sent it this round: the trainer's parameters, or with

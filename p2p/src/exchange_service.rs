@@ -162,9 +162,10 @@ impl ExchangeService {
         self.inner.reports.subscribe()
     }
 
-    /// Streams for rounds below `round` are refused as old from now on, and streams for
-    /// rounds more than one ahead of the newest known round as future (the round driver
-    /// calls this when it starts a round).
+    /// Streams for rounds below `round` are refused as old from now on — except for a round
+    /// whose exchange is still registered (an overlapped round exchanging while the next one
+    /// trains) — and streams for rounds more than one ahead of the newest known round as
+    /// future (the round driver calls this when it starts a round).
     pub fn advance_floor(&self, round: u64) {
         let mut st = self.inner.state.lock().expect("exchange state lock");
         st.floor = st.floor.max(round);
@@ -420,7 +421,9 @@ async fn claim_slot(inner: &Inner, peer: PeerId, round: u64) -> Result<ClaimedSl
         let notified = inner.changed.notified();
         {
             let mut st = inner.state.lock().expect("exchange state lock");
-            if round < st.floor {
+            // A registered round is served even below the floor: with overlapped rounds the
+            // node starts round t+1 (raising the floor) while round t's exchange runs.
+            if round < st.floor && !st.rounds.contains_key(&round) {
                 return Err(ExchangeError::OldRound {
                     got: round,
                     expected: st.floor,

@@ -158,3 +158,45 @@ async fn a_stream_that_arrives_before_the_responder_reaches_the_round_waits_for_
         swapped.transfer
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_still_exchanging_is_served_after_the_next_round_started() {
+    // Overlapped rounds: b hands round 4 to the exchange and starts round 5 (the driver
+    // raises the floor to 5) before a's stream for round 4 arrives. The stream is round 4's,
+    // still registered: served, not refused as old.
+    let ((a, sa), (b, sb)) = connected_pair(Transport::Tcp).await;
+    let (pa, pb) = (a.client.peer_id(), b.client.peer_id());
+    let pay = |seed| {
+        Arc::new(OutgoingPayload::new(
+            PayloadKind::Model,
+            Arc::new(TensorSet::synthetic(1, 1 << 20, seed)),
+            SendOptions::default(),
+        ))
+    };
+    let responder = {
+        let (sb, pay) = (sb.clone(), pay(2));
+        tokio::spawn(async move {
+            sb.exchange_round(4, &[pa], pay, None, Duration::from_secs(20))
+                .await
+        })
+    };
+    for _ in 0..200 {
+        if sb.is_registered(4) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(sb.is_registered(4), "b registered round 4");
+    sb.advance_floor(5);
+    let early = sa
+        .exchange_round(4, &[pb], pay(1), None, Duration::from_secs(20))
+        .await;
+    assert!(early[0].1.is_ok(), "a's round 4: {:?}", early[0].1);
+    let late = responder.await.unwrap();
+    assert!(late[0].1.is_ok(), "b's round 4: {:?}", late[0].1);
+    // Once round 4's exchange is over, a stream for it is old.
+    let replay = sa
+        .exchange_round(4, &[pb], pay(1), None, Duration::from_secs(5))
+        .await;
+    assert!(replay[0].1.is_err(), "a replay of round 4 after it ended");
+}

@@ -40,6 +40,37 @@ pub fn wait_for_file(path: &Path, bound: Duration) -> String {
     panic!("{} did not appear within {bound:?}", path.display());
 }
 
+/// A test's scratch folder, removed when the test passes and kept (its path printed) when it
+/// fails or `GASLOC_KEEP_TEST_DIRS` is set, so that the nodes' logs and round records of a
+/// swarm test can be read.
+pub struct TestDir(Option<tempfile::TempDir>);
+
+impl TestDir {
+    pub fn new() -> TestDir {
+        TestDir(Some(tempfile::tempdir().expect("a scratch folder")))
+    }
+
+    pub fn path(&self) -> &Path {
+        self.0.as_ref().expect("held until dropped").path()
+    }
+}
+
+impl Default for TestDir {
+    fn default() -> Self {
+        TestDir::new()
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        if std::thread::panicking() || std::env::var_os("GASLOC_KEEP_TEST_DIRS").is_some() {
+            if let Some(dir) = self.0.take() {
+                eprintln!("the test's folder is kept: {}", dir.keep().display());
+            }
+        }
+    }
+}
+
 /// A process whose stdout and stderr go to files; killed when dropped.
 pub struct Proc {
     pub name: String,

@@ -15,7 +15,8 @@
 //! validation loss falls.
 
 use gasloc_tests::{
-    field, join_command, read_report, start_join, start_training_swarm, Proc, ADAPTIVE_ONE_PEER,
+    field, join_command, read_report, start_join, start_training_swarm, Proc, TestDir,
+    ADAPTIVE_ONE_PEER,
 };
 use serde_json::Value;
 use std::time::Duration;
@@ -32,9 +33,32 @@ fn val_losses(records: &[Value]) -> Vec<f64> {
         .collect()
 }
 
+/// Asserts that no exchange between two of `steady` (nodes never stopped) was refused as
+/// being for an old round: a round's exchange is served while the next round trains.
+fn assert_no_old_round_refusals(reports: &[(usize, Vec<Value>)], steady: &[usize]) {
+    let id = |records: &[Value]| records[0]["peer"].as_str().unwrap().to_owned();
+    let steady_ids: Vec<String> = reports
+        .iter()
+        .filter(|(i, _)| steady.contains(i))
+        .map(|(_, r)| id(r))
+        .collect();
+    for (i, records) in reports.iter().filter(|(i, _)| steady.contains(i)) {
+        for r in records {
+            for failed in r["failed"].as_array().unwrap() {
+                let (peer, reason) = (failed[0].as_str().unwrap(), failed[1].as_str().unwrap());
+                assert!(
+                    !(steady_ids.iter().any(|s| s == peer) && reason.contains("OldRound")),
+                    "node{i} round {}: an overlapped exchange was refused as old: {reason}",
+                    r["round"]
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn overlapped_rounds_train_through_slow_exchanges_a_kill_and_a_restart() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = TestDir::new();
     let dir = dir.path();
     let outer = format!("{ADAPTIVE_ONE_PEER}overlap = \"delayed\"\n");
     let (_bootstrap, boot, data) = start_training_swarm(dir, "swarm-overlap-test", 13, &outer);
@@ -79,8 +103,11 @@ fn overlapped_rounds_train_through_slow_exchanges_a_kill_and_a_restart() {
     restarted.expect_success(Duration::from_secs(60));
 
     let reports: Vec<Vec<Value>> = (1..=4).map(|i| read_report(&home(i))).collect();
+    let numbered: Vec<(usize, Vec<Value>)> = (1..=4).zip(reports.iter().cloned()).collect();
+    assert_no_old_round_refusals(&numbered, &[1, 2, 3]);
     for (i, records) in reports.iter().enumerate() {
         let losses = val_losses(records);
+        eprintln!("node{}: validation losses {losses:.3?}", i + 1);
         assert!(
             losses.len() >= 3 && losses.last() < losses.first(),
             "node{}: validation losses {losses:?}",
@@ -130,7 +157,7 @@ fn overlapped_rounds_train_through_slow_exchanges_a_kill_and_a_restart() {
 
 #[test]
 fn eager_overlapped_rounds_stop_cleanly_mid_exchange_and_resume() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = TestDir::new();
     let dir = dir.path();
     let outer = format!("{ADAPTIVE_ONE_PEER}overlap = \"eager\"\n");
     let (_bootstrap, boot, data) = start_training_swarm(dir, "swarm-eager-test", 17, &outer);
@@ -201,9 +228,12 @@ fn eager_overlapped_rounds_stop_cleanly_mid_exchange_and_resume() {
     for i in [1, 2, 4] {
         assert!(joined < first(i), "node5 {joined} vs node{i} {}", first(i));
     }
+    let numbered: Vec<(usize, Vec<Value>)> = (1..=4).map(|i| (i, read_report(&home(i)))).collect();
+    assert_no_old_round_refusals(&numbered, &[1, 2, 4]);
     for i in 1..=4 {
         let records = read_report(&home(i));
         let losses = val_losses(&records);
+        eprintln!("node{i}: validation losses {losses:.3?}");
         assert!(
             losses.len() >= 3 && losses.last() < losses.first(),
             "node{i}: validation losses {losses:?}"

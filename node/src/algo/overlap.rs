@@ -206,6 +206,12 @@ impl OverlappedOuter {
         self.pending.as_ref().map(|p| p.round)
     }
 
+    /// The anchor the pending round started from (`θ_t`), if any: what the payload gate
+    /// measures the received models from (eager's anchor has moved by its own step since).
+    pub fn pending_anchor(&self) -> Option<&[Tensor]> {
+        self.pending.as_ref().map(|p| &p.anchor[..])
+    }
+
     /// The local model handed to the pending exchange (`x_t`), if any: the worker's own
     /// payload, which the payload gate measures the received ones against.
     pub fn handed_off(&self) -> Option<&[Tensor]> {
@@ -489,6 +495,7 @@ mod tests {
             } else {
                 nominal.clone()
             };
+            let round_anchor = copies(&a_over);
             blocking(&applied, &mut a_block, &mut o_block, &models);
             let LocalModel::Replace(trains_from) = overlap
                 .hand_off(round, Some(&nominal), &mut a_over, &mut o_over, &models[0])
@@ -499,6 +506,12 @@ mod tests {
             assert!(
                 same(&trains_from, &a_over),
                 "the next round trains from the own step"
+            );
+            assert!(
+                same(overlap.pending_anchor().unwrap(), &round_anchor)
+                    && !same(&round_anchor, &a_over),
+                "the payload gate measures from the anchor the round started from, not the \
+                 own step's"
             );
             let local: Vec<Tensor> = trains_from
                 .iter()
