@@ -14,7 +14,8 @@ best mean loss, compute utilisation (trainer busy time over wall time, all nodes
 from each node's second round on (`steady`: a node's first round also holds its joining and,
 with overlapped rounds, an exchange that no earlier round's steps hid), the idle share
 (1 − utilisation), the share of round time spent waiting for the exchange (`wait_s` over
-`round_s`), inner steps, and each configuration's time-to-target ratio against REFERENCE.
+`round_s`), inner steps, the exchanges that failed or were refused out of those the rounds
+planned, and each configuration's time-to-target ratio against REFERENCE.
 """
 import glob
 import json
@@ -24,7 +25,7 @@ import sys
 def load(out, config):
     period = int(open(f"{out}/{config}/period_ms").read()) / 1000
     points = {}  # round -> [(round_s, val_loss)]
-    totals = dict(steps=0.0, wait=0.0, round=0.0, train=0.0, wall=0.0, steady_train=0.0, steady_wall=0.0)
+    totals = dict(steps=0.0, wait=0.0, round=0.0, train=0.0, wall=0.0, steady_train=0.0, steady_wall=0.0, planned=0, failed=0)
     nodes = sorted(glob.glob(f"{out}/{config}/node*/rounds.jsonl"))
     for path in nodes:
         for i, line in enumerate(open(path)):
@@ -33,6 +34,8 @@ def load(out, config):
                 totals["steady_train"] += r.get("train_s", 0.0)
                 totals["steady_wall"] += r.get("wall_s", 0.0)
             totals["steps"] += r["inner_steps"]
+            totals["planned"] += len(r.get("neighbours", []))
+            totals["failed"] += len(r.get("failed", [])) + len(r.get("refused", []))
             totals["wait"] += r["wait_s"]
             totals["round"] += r["round_s"]
             totals["train"] += r.get("train_s", 0.0)
@@ -68,7 +71,7 @@ def main():
         print(
             f"  {c:24s} time to target {reached[c]:6.1f} s   best mean val_loss {best:.4f}   "
             f"utilisation {util:.3f} (steady {steady:.3f})   idle share {1 - util:5.1%}   exchange wait {wait:5.1%}   "
-            f"inner steps {r['steps']:.0f}"
+            f"inner steps {r['steps']:.0f}   failed exchanges {r['failed']}/{r['planned']}"
         )
     for c in configs:
         if c != reference:
