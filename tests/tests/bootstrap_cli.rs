@@ -64,7 +64,7 @@ fn value<'a>(lines: &'a [String], key: &str) -> Vec<&'a str> {
 
 #[test]
 fn bootstrap_prints_full_addresses_keeps_its_identity_and_serves_status() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     std::fs::write(dir.path().join("run.toml"), MANIFEST).unwrap();
     let run_id = RunManifest::parse(MANIFEST, "t")
         .unwrap()
@@ -126,7 +126,7 @@ fn refusal(args: &[&str], dir: &std::path::Path) -> String {
 
 #[test]
 fn bootstrap_refuses_bad_flags_and_files_with_a_reason() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     std::fs::write(dir.path().join("run.toml"), MANIFEST).unwrap();
     std::fs::write(dir.path().join("bad.key"), b"not a key").unwrap();
     std::fs::write(

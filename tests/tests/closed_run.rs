@@ -45,7 +45,7 @@ fn wait(child: &mut std::process::Child, bound: Duration) -> std::process::ExitS
 
 #[test]
 fn a_closed_run_trains_its_listed_nodes_and_refuses_a_stranger() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let home = |name: &str| dir.path().join(name);
     let members = [identity(&home("node1")), identity(&home("node2"))];
     let manifest = dir.path().join("run.toml");
@@ -117,7 +117,7 @@ fn swarm_key(path: &Path, byte: u8) {
 
 #[test]
 fn a_private_swarm_trains_its_key_holders_and_refuses_a_node_without_the_key() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let (key, other_key) = (dir.join("swarm.key"), dir.join("other.key"));
     swarm_key(&key, 7);

@@ -284,7 +284,7 @@ fn a_compose_swarm_trains_through_kills_a_cut_link_a_rolling_restart_and_a_lost_
         return;
     }
     remove_abandoned_projects();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
     std::fs::write(
@@ -550,7 +550,7 @@ fn the_compose_wrapper_names_a_missing_data_directory_manifest_or_image() {
         eprintln!("compose_faults: no Docker engine or docker-compose answers; not run");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
     std::fs::write(&manifest, tiny_run("wrapper-test", 1, ADAPTIVE_ONE_PEER)).unwrap();

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 #[test]
 fn the_local_swarm_returns_after_a_group_sigint_that_its_trap_cannot_catch() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
     std::fs::write(

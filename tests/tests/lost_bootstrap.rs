@@ -21,7 +21,7 @@ fn quic_address(node: &mut Proc) -> String {
 
 #[test]
 fn rounds_go_on_and_a_newcomer_joins_through_a_node_after_the_bootstrap_dies() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
     std::fs::write(&manifest, synthetic_run("lost-bootstrap-test")).unwrap();

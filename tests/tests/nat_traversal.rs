@@ -182,7 +182,7 @@ fn nodes_behind_nat_find_out_relay_and_punch_a_hole_to_each_other() {
         );
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let nodes = run(dir.path());
     let [(a, a_log), (b, b_log), (c, c_log)] = &nodes[..] else {
         unreachable!("three nodes")

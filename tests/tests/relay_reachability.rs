@@ -81,7 +81,7 @@ fn a_node_nobody_can_dial_exchanges_through_the_bootstrap_relay() {
         return;
     }
     // With --relay on B: A and B are partners in every round and every exchange completes.
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let [a, b] = run(dir.path(), true);
     assert_eq!(a.len() as u64, ROUNDS, "{a:?}");
     assert_eq!(b.len() as u64, ROUNDS, "{b:?}");
@@ -95,7 +95,7 @@ fn a_node_nobody_can_dial_exchanges_through_the_bootstrap_relay() {
 
     // The control: without --relay the same two nodes agree on their pairing through the
     // bootstrap, but neither can reach the other.
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let [a, b] = run(dir.path(), false);
     assert!(a
         .iter()

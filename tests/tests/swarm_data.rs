@@ -50,7 +50,7 @@ fn pinned_run_of(dir: &Path, name: &str, data: PathBuf, shards: usize) -> (PathB
 
 #[test]
 fn a_node_whose_data_is_not_the_pinned_shards_is_refused_before_round_0() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let (manifest, data) = pinned_run(dir, "pinned-refusal-test");
 
@@ -148,7 +148,7 @@ fn val_losses(home: &Path) -> Vec<f64> {
 
 #[test]
 fn nodes_without_data_fetch_the_pinned_shards_from_the_swarm_and_train() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let (manifest, data) = pinned_run(dir, "fetch-from-swarm-test");
     let (mut boot_proc, boot) = bootstrap(dir, &manifest, Some(&data), &[]);
@@ -202,7 +202,7 @@ fn nodes_without_data_fetch_the_pinned_shards_from_the_swarm_and_train() {
 
 #[test]
 fn a_peer_serving_wrong_bytes_is_caught_and_the_shard_comes_from_another() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let (manifest, data) = pinned_run_of_three_training_shards(dir, "wrong-bytes-test");
     // No bootstrap serves: the two sources are an honest node and one whose shards are
@@ -308,7 +308,7 @@ fn a_peer_serving_wrong_bytes_is_caught_and_the_shard_comes_from_another() {
 
 #[test]
 fn a_node_killed_mid_download_resumes_its_partial_shard() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let (manifest, data) = pinned_run(dir, "resume-test");
     // 150 kB/s per peer: the training shard (about 560 kB) takes about 4 s.
@@ -365,7 +365,7 @@ fn a_node_killed_mid_download_resumes_its_partial_shard() {
 
 #[test]
 fn an_http_mirror_serves_the_data_and_a_failing_mirror_falls_back_to_the_swarm() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let data = prepare_byte_data(dir);
     let run = |name: &str, mirror: &HttpMirror| {
@@ -430,7 +430,7 @@ fn an_http_mirror_serves_the_data_and_a_failing_mirror_falls_back_to_the_swarm()
 
 #[test]
 fn a_node_with_no_source_for_its_data_stops_with_an_error_naming_the_shard() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let (manifest, _data) = pinned_run(dir, "no-source-test");
     // Nobody serves the shards and the manifest lists no mirror.
@@ -454,7 +454,7 @@ fn a_node_with_no_source_for_its_data_stops_with_an_error_naming_the_shard() {
 
 #[test]
 fn a_joiner_trains_on_its_first_shard_while_the_rest_arrive() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     // Three training shards of about 400 kB, served at 30 kB/s: the two the joiner does not
     // train on first take some 27 s to arrive, while its first shard lasts it about 780

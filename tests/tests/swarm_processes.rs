@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 #[test]
 fn bootstrap_and_six_nodes_run_ten_rounds_with_mutual_pairings() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let manifest = dir.path().join("run.toml");
     std::fs::write(&manifest, synthetic_run("swarm-test")).unwrap();
     // The manifest's default topology is one-peer.

@@ -43,7 +43,7 @@ fn mean(values: &[f64]) -> f64 {
 
 #[test]
 fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
     let (_bootstrap, boot, data) =

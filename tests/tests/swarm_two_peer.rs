@@ -13,7 +13,7 @@ use std::time::Duration;
 
 #[test]
 fn four_nodes_on_a_two_peer_ring_learn_and_other_runs_are_refused() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
     std::fs::write(

@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 #[test]
 fn nodes_of_two_bootstraps_form_one_swarm() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
     std::fs::write(&manifest, synthetic_run("two-bootstraps-test")).unwrap();
