@@ -69,6 +69,19 @@ pub fn top_singular_basis(side: Side, matrix: &Tensor, rank: i64) -> Tensor {
     }
 }
 
+/// How much of the subspace `old` (`[k, r]`, orthonormal columns) the subspace `new` keeps:
+/// `‖newᵀ·old‖²_F / r`, 1 when they span the same space, 0 when orthogonal (the authors'
+/// code logs it at every refresh).
+pub fn basis_similarity(old: &Tensor, new: &Tensor) -> f64 {
+    let r = old.size()[1].max(1) as f64;
+    new.tr()
+        .matmul(old)
+        .square()
+        .sum(Kind::Float)
+        .double_value(&[])
+        / r
+}
+
 /// One projected matrix and its low-rank state.
 #[derive(Debug)]
 pub struct LowRankState {
@@ -82,6 +95,13 @@ pub struct LowRankState {
     /// Error feedback: what projection cut from the gradients so far, full shape.
     pub error: Tensor,
     pub decay: bool,
+}
+
+impl LowRankState {
+    /// The rank of the basis, `r`.
+    pub fn rank(&self) -> i64 {
+        self.basis.size()[1]
+    }
 }
 
 /// LoRDO over a fixed, ordered list of named parameters.
@@ -183,7 +203,7 @@ impl Lordo {
             let Some(k) = names.iter().position(|n| *n == s.name) else {
                 continue;
             };
-            let rank = s.basis.size()[1];
+            let rank = s.rank();
             let new_basis = top_singular_basis(s.side, &aggregated[k], rank);
             let (u, v) = rotate_moments(
                 s.side,

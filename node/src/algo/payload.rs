@@ -4,12 +4,19 @@
 //! * `model-bf16`: `x_i` rounded to bf16 (round to nearest even); 2 bytes per parameter.
 //! * `lordo` (our gossip adaptation of LoRDO, ALGORITHMS.md §4.2): the pseudo-gradient
 //!   `Δ_i = θ_i − x_i` plus the worker's payload error `E`, `A = Δ_i + E`; each projected matrix
-//!   goes as its rank-r coordinates in the worker's current LoRDO basis *and* that basis (the
-//!   receivers do not share it in a gossip swarm), both in bf16: `r·(m+n)` values instead of
-//!   `m·n`; every other tensor goes whole in bf16. The sender keeps `E ← A − decoded(A)`, so
-//!   what is cut or rounded is sent in a later round (error feedback).
+//!   goes as the top-r factors of `A` itself, `U_r` and `Σ_r·V_rᵀ` (its truncated SVD), both
+//!   in bf16: `r·(m+n)` values instead of `m·n`; every other tensor goes whole in bf16. The
+//!   sender keeps `E ← A − decoded(A)`, so what is cut or rounded is sent in a later round
+//!   (error feedback).
+//!
+//!   The factors are `A`'s own, not `A` projected through the worker's LoRDO basis `Q`: a
+//!   payload inside `span(Q)` would make the basis refresh (the SVD of the mix of such
+//!   payloads) return `span(Q)` again, freezing the basis for good, and `E` would integrate
+//!   everything outside `span(Q)` with nothing to drain it. A truncated SVD is a contraction
+//!   (`‖A − decoded(A)‖² ≤ (1 − r/min(m,n))·‖A‖²`, up to the bf16 rounding), so `E` stays
+//!   bounded, and the mix of the neighbours' payloads spans more than one basis.
 
-use crate::algo::lordo::{project, project_back, LowRankState};
+use crate::algo::lordo::LowRankState;
 use tch::{Kind, Tensor};
 
 /// `t` rounded to bf16 and back to fp32: exactly what a bf16 receiver decodes.
@@ -30,9 +37,22 @@ pub struct LordoPayload {
     pub bytes: u64,
 }
 
-/// Encodes `pseudo_gradient + error` (in parameter order, named by `names`) against the
-/// bases of `projected`, updates `error` in place (error feedback) and returns the decoded
-/// payload.
+/// The top-`rank` factors of `matrix`'s truncated SVD, `(U_r, Σ_r·V_rᵀ)`: `[m, r]` and
+/// `[r, n]`, whose product is the best rank-r approximation of `matrix`.
+pub fn top_factors(matrix: &Tensor, rank: i64) -> (Tensor, Tensor) {
+    let (u, s, v) = matrix.to_kind(Kind::Float).svd(true, true);
+    let rank = rank.min(s.size()[0]);
+    let left = u.narrow(1, 0, rank).contiguous();
+    let right = (v.narrow(1, 0, rank) * s.narrow(0, 0, rank))
+        .tr()
+        .contiguous();
+    (left, right)
+}
+
+/// Encodes `pseudo_gradient + error` (in parameter order, named by `names`): each matrix that
+/// `projected` names as its top-r factors at that state's rank (its basis is not used: see
+/// the module's doc), every other tensor whole in bf16. Updates `error` in place (error
+/// feedback) and returns the decoded payload.
 pub fn encode_lordo(
     names: &[String],
     pseudo_gradient: &[Tensor],
@@ -49,10 +69,10 @@ pub fn encode_lordo(
             let wanted = delta + &*e;
             let sent = match projected.iter().find(|s| s.name == *name) {
                 Some(s) => {
-                    let basis = through_bf16(&s.basis);
-                    let coords = through_bf16(&project(s.side, &basis, &wanted));
-                    bytes += 2 * (coords.numel() + basis.numel()) as u64;
-                    project_back(s.side, &basis, &coords)
+                    let (left, right) = top_factors(&wanted, s.rank());
+                    let (left, right) = (through_bf16(&left), through_bf16(&right));
+                    bytes += 2 * (left.numel() + right.numel()) as u64;
+                    left.matmul(&right)
                 }
                 None => {
                     bytes += 2 * wanted.numel() as u64;
