@@ -99,6 +99,26 @@ impl AdamW {
         self.steps = steps;
     }
 
+    /// Takes `config`'s settings (its betas) from the next step on.
+    pub fn reset_config(&mut self, config: &OptimizerConfig) {
+        self.config = config.clone();
+    }
+
+    /// Starts the moments afresh: zero, bias corrections counted again from the next step.
+    pub fn reset_moments(&mut self) {
+        self.steps = 0;
+        for p in &mut self.params {
+            let _ = p.exp_avg.zero_();
+            let _ = p.exp_avg_sq.zero_();
+        }
+    }
+
+    /// One QHAdam step (ν = `nu`, ν₂ = 1): `W ← W(1 − lr·wd) − lr·((1−ν)·G + ν·û) / (√v̂ + ε)`.
+    /// ν = 1 is [`Self::step`]'s Adam update.
+    pub fn step_quasi_hyperbolic(&mut self, lr: f64, nu: f64) {
+        self.step_with(lr, Some(nu));
+    }
+
     /// Clears the gradients (they accumulate across micro-batches until then).
     pub fn zero_grad(&mut self) {
         for p in &mut self.params {
@@ -108,6 +128,11 @@ impl AdamW {
 
     /// One AdamW step at learning rate `lr`.
     pub fn step(&mut self, lr: f64) {
+        self.step_with(lr, None);
+    }
+
+    /// Adam (`nu` None) or QHAdam (`Some(ν)`) with decoupled weight decay.
+    fn step_with(&mut self, lr: f64, nu: Option<f64>) {
         let _guard = tch::no_grad_guard();
         let c = &self.config;
         self.steps += 1;
@@ -121,11 +146,18 @@ impl AdamW {
                 p.param *= 1.0 - lr * c.weight_decay;
             }
             let mut denom = update_moments(&mut p.exp_avg, &mut p.exp_avg_sq, &grad, c, bias2_sqrt);
-            if lr > 0.0 {
-                // θ ← θ − (lr / (1 − β1^t)) · m / denom, folding the scalar into the
-                // denominator in place: no parameter-sized temporary beyond `denom`.
-                denom *= -bias1 / lr;
-                let _ = p.param.addcdiv_(&p.exp_avg, &denom);
+            match nu {
+                None if lr > 0.0 => {
+                    // θ ← θ − (lr / (1 − β1^t)) · m / denom, folding the scalar into the
+                    // denominator in place: no parameter-sized temporary beyond `denom`.
+                    denom *= -bias1 / lr;
+                    let _ = p.param.addcdiv_(&p.exp_avg, &denom);
+                }
+                None => {}
+                Some(nu) => {
+                    let numerator = &grad * (1.0 - nu) + &p.exp_avg * (nu / bias1);
+                    let _ = p.param.addcdiv_(&(numerator * -lr), &denom);
+                }
             }
         }
     }

@@ -256,6 +256,15 @@ fn payload_error_feedback_sends_the_whole_pseudo_gradient_over_rounds() {
     }
 }
 
+/// Values spread over (−1, 1), a fixed function of `seed` that does not touch the global RNG
+/// (which the tests running beside this one reseed).
+fn spread(shape: &[i64], seed: i64) -> Tensor {
+    let n: i64 = shape.iter().product();
+    let i = Tensor::arange(n, (Kind::Double, tch::Device::Cpu));
+    let x = ((i * 12.9898 + seed as f64 * 78.233).sin() * 43758.5453).frac();
+    (x * 2.0).to_kind(Kind::Float).reshape(shape)
+}
+
 /// The norm of a tensor, as f64.
 fn norm(t: &Tensor) -> f64 {
     t.norm().double_value(&[])
@@ -356,7 +365,7 @@ fn inner_error_over_rounds(refresh: bool) -> Vec<f64> {
     for round in 0..50 {
         let anchor = w.detach().copy();
         for step in 0..5 {
-            let target = randn(&[16, 12], 1000 + 5 * round + step);
+            let target = spread(&[16, 12], 1000 + 5 * round + step);
             quadratic_grad(&w, &target, &scale);
             lordo.step(0.01);
             lordo.zero_grad();
@@ -374,21 +383,142 @@ fn inner_error_over_rounds(refresh: bool) -> Vec<f64> {
 
 #[test]
 fn the_inner_error_feedback_stays_bounded_over_50_rounds() {
-    // With the basis refreshed from the payloads, ‖E‖ stays within 1.5× where it stood after
-    // the second round (measured: at most 1.26×, and falling from round 6 on); with the basis
-    // frozen at the identity slice the same run passes that bound (it reached 4.2×).
+    // With the basis refreshed from the payloads, ‖E‖ stays within 2× where it stood after
+    // the second round (measured: at most 1.45×) and its last ten rounds stay below its
+    // first ten (measured: 186 against 371, draining); with the basis frozen at the identity
+    // slice the same run passes the first bound (measured: 5.2×).
     let refreshed = inner_error_over_rounds(true);
     let frozen = inner_error_over_rounds(false);
-    let bound = 1.5 * refreshed[1];
-    let worst = refreshed.iter().copied().fold(0.0, f64::max);
+    let max = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    let bound = 2.0 * refreshed[1];
     assert!(
-        worst <= bound,
-        "‖E‖ grew to {worst} (bound {bound}): {refreshed:.1?}"
+        max(&refreshed) <= bound,
+        "‖E‖ grew past {bound}: {refreshed:.1?}"
     );
-    let frozen_worst = frozen.iter().copied().fold(0.0, f64::max);
     assert!(
-        frozen_worst > bound,
+        max(&refreshed[40..]) < max(&refreshed[..10]),
+        "‖E‖ does not drain: {refreshed:.1?}"
+    );
+    assert!(
+        max(&frozen) > bound,
         "a frozen basis stays within the bound too: {frozen:.1?}"
+    );
+}
+
+/// A LoRDO over one projected matrix (a fresh copy of `w`) and one norm vector, from `lordo`
+/// settings.
+fn lordo_pair(lordo: &str, w: &Tensor, norm_init: &Tensor) -> (Lordo, Tensor, Tensor) {
+    let m = manifest("inner_optimizer = \"lordo\"", lordo);
+    let w = w.detach().copy().set_requires_grad(true);
+    let n = norm_init.detach().copy().set_requires_grad(true);
+    let lordo = Lordo::new(
+        &m.optimizer,
+        &m.lordo,
+        vec![
+            (
+                "model.layers.0.mlp.up_proj.weight".into(),
+                w.shallow_clone(),
+            ),
+            ("model.norm.weight".into(), n.shallow_clone()),
+        ],
+    );
+    (lordo, w, n)
+}
+
+/// A fixed quadratic on both tensors: targets and scales, made once per test (the global
+/// RNG is shared with the tests running beside it).
+struct Quadratic([Tensor; 4]);
+
+impl Quadratic {
+    fn new() -> Self {
+        Quadratic([
+            randn(&[6, 4], 4),
+            randn(&[6, 4], 5).abs() + 0.1,
+            randn(&[4], 6),
+            randn(&[4], 7).abs() + 0.1,
+        ])
+    }
+
+    fn gradients(&self, w: &Tensor, n: &Tensor) {
+        quadratic_grad(w, &self.0[0], &self.0[1]);
+        quadratic_grad(n, &self.0[2], &self.0[3]);
+    }
+
+    fn step(&self, lordo: &mut Lordo, w: &Tensor, n: &Tensor, lr: f64) {
+        self.gradients(w, n);
+        lordo.step(lr);
+        lordo.zero_grad();
+    }
+}
+
+#[test]
+fn the_two_forms_of_the_full_rank_term_differ_by_the_error_buffer() {
+    // Same start, same gradients: the first step has no error yet, so both forms agree; the
+    // second applies (1−ω)·(G + E)/mean(d) against (1−ω)·Ĝ/mean(d), so the models differ by
+    // a multiple of −E.
+    let (w0, n0) = (randn(&[6, 4], 3), randn(&[4], 8));
+    let (mut code, wc, nc) = lordo_pair("rank = 2\nomega = 0.9", &w0, &n0);
+    let (mut paper, wp, np) = lordo_pair(
+        "rank = 2\nomega = 0.9\nfull_rank_term = \"gradient\"",
+        &w0,
+        &n0,
+    );
+    let q = Quadratic::new();
+    q.step(&mut code, &wc, &nc, 0.01);
+    q.step(&mut paper, &wp, &np, 0.01);
+    assert!(wc.equal(&wp), "the first step has no error to differ by");
+    let error = code.projected()[0].error.copy();
+    assert!(norm(&error) > 0.0);
+    q.step(&mut code, &wc, &nc, 0.01);
+    q.step(&mut paper, &wp, &np, 0.01);
+    let gap = (&wc - &wp).detach().flatten(0, -1);
+    let e = error.flatten(0, -1);
+    let cosine = gap.dot(&e).double_value(&[]) / (norm(&gap) * norm(&e));
+    assert!(cosine < -0.9999, "the gap is −c·E: cosine {cosine}");
+    assert!(nc.equal(&np), "the norm is not projected: same update");
+}
+
+#[test]
+fn the_authors_regime_is_low_rank_adam_then_switches() {
+    // switch_fraction 0.05 of decay_steps 100: five steps of low-rank Adam (exactly LoRDO at
+    // ω = 1), then the switch before the sixth: betas 0.999, moments reset, lr × 0.5, ω 0.9,
+    // QHAdam on the norm.
+    let (w0, n0) = (randn(&[6, 4], 3), randn(&[4], 8));
+    let (mut authors, wa, na) = lordo_pair(
+        "rank = 2\nomega = 0.9\nregime = \"authors\"\nswitch_fraction = 0.05",
+        &w0,
+        &n0,
+    );
+    let (mut adam, wl, nl) = lordo_pair("rank = 2\nomega = 1.0", &w0, &n0);
+    let q = Quadratic::new();
+    for _ in 0..5 {
+        q.step(&mut authors, &wa, &na, 0.01);
+        q.step(&mut adam, &wl, &nl, 0.01);
+        assert_eq!(authors.omega(), 1.0);
+        assert!(
+            wa.equal(&wl) && na.equal(&nl),
+            "before the switch: ω = 1 LoRDO"
+        );
+    }
+    assert!(!authors.switched());
+    // The sixth step, by hand: the projected moments start from zero at β1 = 0.999, and the
+    // norm's first QHAdam step from fresh moments is lr·0.5·G/(|G| + ε).
+    q.gradients(&wa, &na);
+    let s = &authors.projected()[0];
+    let coords = project(s.side, &s.basis, &(wa.grad() + &s.error));
+    let (g, before) = (na.grad().copy(), na.detach().copy());
+    authors.step(0.01);
+    authors.zero_grad();
+    assert!(authors.switched() && authors.omega() == 0.9);
+    let moment = &authors.projected()[0].exp_avg;
+    assert!(
+        max_abs_diff(moment, &(coords * 0.001)) < 1e-7,
+        "the moments were reset"
+    );
+    let expected = &before - (&g * 0.005) / (g.abs() + 1e-8);
+    assert!(
+        max_abs_diff(&na.detach(), &expected) < 1e-6,
+        "QHAdam at lr × 0.5"
     );
 }
 

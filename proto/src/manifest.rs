@@ -559,6 +559,59 @@ pub struct LordoConfig {
     /// so the workers stay in consensus.
     #[serde(default = "default_full_sync_every")]
     pub full_sync_every: u64,
+    /// What the full-rank term `(1 − ω)·X / mean(d)` applies: the gradient plus the error
+    /// feedback buffer (the authors' code, the default) or the gradient alone (the paper).
+    /// Left out of the canonical bytes at its default.
+    #[serde(default, skip_serializing_if = "FullRankTerm::is_default")]
+    pub full_rank_term: FullRankTerm,
+    /// `constant` (the default): ω, the betas and the learning rate as configured from the
+    /// first step. `authors`: the LoRDO authors' regime (below). Left out of the canonical
+    /// bytes at its default.
+    #[serde(default, skip_serializing_if = "LordoRegime::is_constant")]
+    pub regime: LordoRegime,
+    /// With `regime = "authors"`: the share of `optimizer.decay_steps` trained as low-rank
+    /// Adam (ω = 1) before the switch to LoRDO proper: betas (0.999, 0.999), moments reset,
+    /// learning rate × 0.5, ω as configured, QHAdam (ν = ω) on the tensors that are not
+    /// projected. The authors warm-start at step 2048 of 12288: 1/6, the default.
+    #[serde(
+        default = "default_switch_fraction",
+        skip_serializing_if = "is_default_switch_fraction"
+    )]
+    pub switch_fraction: f64,
+}
+
+/// The input of LoRDO's full-rank quasi-hyperbolic term.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FullRankTerm {
+    /// `G + E`, the clipped gradient with the error feedback added (the authors' code).
+    #[default]
+    GradientAndError,
+    /// `Ĝ`, the clipped gradient alone (the paper's update rule).
+    Gradient,
+}
+
+impl FullRankTerm {
+    pub fn is_default(&self) -> bool {
+        *self == FullRankTerm::default()
+    }
+}
+
+/// When LoRDO's settings apply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LordoRegime {
+    /// ω, betas and learning rate as configured, from the first step.
+    #[default]
+    Constant,
+    /// Low-rank Adam (ω = 1) for `switch_fraction` of the decay steps, then the switch.
+    Authors,
+}
+
+impl LordoRegime {
+    pub fn is_constant(&self) -> bool {
+        *self == LordoRegime::Constant
+    }
 }
 
 impl Default for LordoConfig {
@@ -567,8 +620,18 @@ impl Default for LordoConfig {
             rank: default_lordo_rank(),
             omega: default_lordo_omega(),
             full_sync_every: default_full_sync_every(),
+            full_rank_term: FullRankTerm::default(),
+            regime: LordoRegime::default(),
+            switch_fraction: default_switch_fraction(),
         }
     }
+}
+
+fn default_switch_fraction() -> f64 {
+    1.0 / 6.0
+}
+fn is_default_switch_fraction(f: &f64) -> bool {
+    *f == default_switch_fraction()
 }
 
 fn default_lordo_rank() -> usize {
@@ -1074,6 +1137,12 @@ impl RunManifest {
         if l.full_sync_every == 0 {
             return Err(("lordo.full_sync_every", "must be at least 1".into()));
         }
+        if !(l.switch_fraction > 0.0 && l.switch_fraction < 1.0) {
+            return Err((
+                "lordo.switch_fraction",
+                format!("= {} must lie in (0, 1)", l.switch_fraction),
+            ));
+        }
         Ok(())
     }
 }
@@ -1280,6 +1349,35 @@ decay_steps = 100
         assert!(lordo("omega = 0.0").contains("lordo.omega"));
         assert!(lordo("omega = 1.5").contains("lordo.omega"));
         assert!(lordo("full_sync_every = 0").contains("lordo.full_sync_every"));
+        assert!(lordo("switch_fraction = 1.0").contains("lordo.switch_fraction"));
+        assert!(lordo("regime = \"warm\"").contains("regime"));
+        assert!(lordo("full_rank_term = \"error\"").contains("full_rank_term"));
+    }
+
+    #[test]
+    fn lordo_forms_and_regime_are_in_the_run_id_only_when_chosen() {
+        let plain = RunManifest::parse(TINY, "a").unwrap();
+        let spelled = RunManifest::parse(
+            &format!(
+                "{TINY}[lordo]\nfull_rank_term = \"gradient-and-error\"\nregime = \"constant\"\n"
+            ),
+            "b",
+        )
+        .unwrap();
+        assert_eq!(plain.run_id(), spelled.run_id());
+        let paper = RunManifest::parse(
+            &format!("{TINY}[lordo]\nfull_rank_term = \"gradient\"\n"),
+            "c",
+        )
+        .unwrap();
+        let authors =
+            RunManifest::parse(&format!("{TINY}[lordo]\nregime = \"authors\"\n"), "d").unwrap();
+        assert_eq!(paper.lordo.full_rank_term, FullRankTerm::Gradient);
+        assert_eq!(authors.lordo.regime, LordoRegime::Authors);
+        assert!((authors.lordo.switch_fraction - 1.0 / 6.0).abs() < 1e-12);
+        assert_ne!(plain.run_id(), paper.run_id());
+        assert_ne!(plain.run_id(), authors.run_id());
+        assert_ne!(paper.run_id(), authors.run_id());
     }
 
     #[test]

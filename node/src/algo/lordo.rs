@@ -14,13 +14,20 @@
 //! W ← W·(1 − lr·wd) − lr·[ (1−ω)·G / mean(d)  +  ω·back(û / d) ]      (full-rank QH term)
 //! ```
 //!
-//! `mean(d)` is one scalar per matrix, as in the authors' code. Until the first refresh the
-//! basis is the identity slice (the first `r` coordinate vectors), as the authors bootstrap it.
+//! `mean(d)` is one scalar per matrix, as in the authors' code. The full-rank term applies
+//! `G + E` (the authors' code; `lordo.full_rank_term = "gradient-and-error"`) or the clipped
+//! gradient alone (the paper's `Ĝ`; `"gradient"`). Until the first refresh the basis is the
+//! identity slice (the first `r` coordinate vectors), as the authors bootstrap it.
+//!
+//! With `lordo.regime = "authors"` the first `switch_fraction` of the decay steps are low-rank
+//! Adam (ω = 1, no full-rank term), then LoRDO switches as the authors warm-start it: betas
+//! (0.999, 0.999), every moment reset to zero (bias corrections counted again), learning
+//! rate × 0.5, ω as configured, and the tensors that are not projected take QHAdam with ν = ω.
 //! [`Lordo::refresh_basis`] replaces `Q` by the top-r singular vectors of the round's aggregated
 //! pseudo-gradient and rotates the moments into it (LDAdam's rule, [`rotate_moments`]).
 
 use crate::optim::{bias_corrections, update_moments, AdamW};
-use gasloc_proto::manifest::{LordoConfig, OptimizerConfig};
+use gasloc_proto::manifest::{FullRankTerm, LordoConfig, LordoRegime, OptimizerConfig};
 use tch::{Kind, Tensor};
 
 /// Which side of a matrix the basis spans.
@@ -104,15 +111,33 @@ impl LowRankState {
     }
 }
 
+/// The authors' regime: where it switches, and whether it has.
+#[derive(Debug, Clone, Copy)]
+struct Switch {
+    /// The step count at which the switch happens (before that step).
+    at_step: u64,
+    /// ω after the switch (the configured one).
+    omega: f64,
+    done: bool,
+}
+
 /// LoRDO over a fixed, ordered list of named parameters.
 #[derive(Debug)]
 pub struct Lordo {
     config: OptimizerConfig,
+    /// ω as it applies now (1 before the authors' regime switches).
     omega: f64,
-    /// The tensors LoRDO does not project, with their AdamW state.
+    full_rank_term: FullRankTerm,
+    /// The tensors LoRDO does not project, with their AdamW (QHAdam after a switch) state.
     full_rank: AdamW,
     projected: Vec<LowRankState>,
     steps: u64,
+    /// The step count at which the moments were last reset (their bias corrections count
+    /// from there).
+    moments_since: u64,
+    /// The learning rate's factor (0.5 after the authors' switch).
+    lr_scale: f64,
+    switch: Option<Switch>,
 }
 
 impl Lordo {
@@ -147,13 +172,61 @@ impl Lordo {
                 }
             })
             .collect();
+        let switch = (lordo.regime == LordoRegime::Authors).then(|| Switch {
+            at_step: (config.decay_steps as f64 * lordo.switch_fraction).round() as u64,
+            omega: lordo.omega,
+            done: false,
+        });
         Lordo {
             config: config.clone(),
-            omega: lordo.omega,
+            omega: if switch.is_some() { 1.0 } else { lordo.omega },
+            full_rank_term: lordo.full_rank_term,
             full_rank: AdamW::new(config, full),
             projected,
             steps: 0,
+            moments_since: 0,
+            lr_scale: 1.0,
+            switch,
         }
+    }
+
+    /// ω as it applies now.
+    pub fn omega(&self) -> f64 {
+        self.omega
+    }
+
+    /// Whether the authors' regime has switched (false without it).
+    pub fn switched(&self) -> bool {
+        self.switch.is_some_and(|s| s.done)
+    }
+
+    /// The authors' switch: betas (0.999, 0.999), moments reset, lr × 0.5, ω as configured.
+    fn switch_now(&mut self) {
+        self.enter_switched(self.steps);
+        self.full_rank.reset_moments();
+        for s in &mut self.projected {
+            let _ = s.exp_avg.zero_();
+            let _ = s.exp_avg_sq.zero_();
+        }
+        tracing::info!(
+            step = self.steps,
+            omega = self.omega,
+            "LoRDO: the authors' regime switches (betas 0.999, moments reset, lr x 0.5)"
+        );
+    }
+
+    /// The settings after the authors' switch, the moments counted from `moments_since`.
+    fn enter_switched(&mut self, moments_since: u64) {
+        let Some(switch) = self.switch.as_mut() else {
+            return;
+        };
+        switch.done = true;
+        self.omega = switch.omega;
+        self.config.beta1 = 0.999;
+        self.config.beta2 = 0.999;
+        self.lr_scale = 0.5;
+        self.moments_since = moments_since;
+        self.full_rank.reset_config(&self.config);
     }
 
     pub fn steps(&self) -> u64 {
@@ -164,13 +237,24 @@ impl Lordo {
         &self.projected
     }
 
-    /// One LoRDO step at learning rate `lr`.
+    /// One LoRDO step at learning rate `lr` (the schedule's; the regime may scale it).
     pub fn step(&mut self, lr: f64) {
         let _guard = tch::no_grad_guard();
-        self.full_rank.step(lr);
+        if self
+            .switch
+            .is_some_and(|s| !s.done && self.steps >= s.at_step)
+        {
+            self.switch_now();
+        }
+        let lr = lr * self.lr_scale;
+        if self.switched() {
+            self.full_rank.step_quasi_hyperbolic(lr, self.omega);
+        } else {
+            self.full_rank.step(lr);
+        }
         self.steps += 1;
         let c = &self.config;
-        let (bias1, bias2_sqrt) = bias_corrections(c, self.steps);
+        let (bias1, bias2_sqrt) = bias_corrections(c, self.steps - self.moments_since);
         for s in &mut self.projected {
             let grad = s.param.grad();
             if !grad.defined() {
@@ -183,7 +267,11 @@ impl Lordo {
             let low_rank = project_back(s.side, &s.basis, &(&s.exp_avg / bias1 / &denom));
             let mut step = low_rank * self.omega;
             if self.omega < 1.0 {
-                step += &full * ((1.0 - self.omega) / denom.mean(Kind::Float).double_value(&[]));
+                let term = match self.full_rank_term {
+                    FullRankTerm::GradientAndError => &full,
+                    FullRankTerm::Gradient => &grad,
+                };
+                step += term * ((1.0 - self.omega) / denom.mean(Kind::Float).double_value(&[]));
             }
             if s.decay && c.weight_decay > 0.0 {
                 s.param *= 1.0 - lr * c.weight_decay;
@@ -197,7 +285,8 @@ impl Lordo {
     /// moments into the new basis.
     pub fn refresh_basis(&mut self, names: &[String], aggregated: &[Tensor]) {
         let _guard = tch::no_grad_guard();
-        let (bias1, bias2_sqrt) = bias_corrections(&self.config, self.steps.max(1));
+        let (bias1, bias2_sqrt) =
+            bias_corrections(&self.config, (self.steps - self.moments_since).max(1));
         let bias2 = bias2_sqrt * bias2_sqrt;
         for s in &mut self.projected {
             let Some(k) = names.iter().position(|n| *n == s.name) else {
@@ -227,9 +316,17 @@ impl Lordo {
         }
     }
 
+    /// Sets the step count (a resumed trainer's). Past the authors' switch, the regime is
+    /// as it was after it (the moments being restored are the switched ones).
     pub fn set_steps(&mut self, steps: u64) {
         self.steps = steps;
-        self.full_rank.set_steps(steps);
+        match self.switch.map(|s| s.at_step) {
+            Some(at_step) if steps >= at_step => {
+                self.enter_switched(at_step);
+                self.full_rank.set_steps(steps - at_step);
+            }
+            _ => self.full_rank.set_steps(steps),
+        }
     }
 }
 
