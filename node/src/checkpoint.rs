@@ -6,7 +6,10 @@
 //! ```text
 //! <root>/step_00000100/model.safetensors     HF tensor names, fp32 ({"format": "pt"})
 //!                      config.json           HF LlamaConfig (LlamaForCausalLM loads the dir)
-//!                      optimizer.safetensors AdamW moments: exp_avg.<name>, exp_avg_sq.<name>
+//!                      optimizer.safetensors the inner optimizer's state: exp_avg.<name>,
+//!                                            exp_avg_sq.<name> (AdamW; LoRDO adds basis.<name>
+//!                                            and error.<name> of its projected matrices, whose
+//!                                            moments are in basis coordinates)
 //!                      train_state.json      step, run id, worker slot, data-stream cursor
 //!                      run.toml              the resolved run manifest (canonical bytes)
 //! <root>/latest                              "step_00000100"
@@ -69,8 +72,9 @@ impl TrainState {
 pub struct Checkpoint {
     pub manifest: RunManifest,
     pub model: Vec<(String, Tensor)>,
-    /// `(name, exp_avg, exp_avg_sq)` per parameter; empty for a model-only (HF) directory.
-    pub moments: Vec<(String, Tensor, Tensor)>,
+    /// The inner optimizer's state tensors by name (`InnerOptimizer::state`); empty for a
+    /// model-only (HF) directory.
+    pub optimizer: Vec<(String, Tensor)>,
     pub state: Option<TrainState>,
     /// The outer momentum per parameter (a swarm node's); empty otherwise.
     pub outer_momentum: Vec<(String, Tensor)>,
@@ -113,12 +117,7 @@ pub fn save(root: &Path, ckpt: &Checkpoint, keep: usize) -> Result<PathBuf> {
 fn write_step_dir(dir: &Path, ckpt: &Checkpoint, state: &TrainState) -> Result<()> {
     fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     write_model_dir(dir, &ckpt.manifest, &ckpt.model)?;
-    let mut moments = Vec::with_capacity(ckpt.moments.len() * 2);
-    for (name, m, v) in &ckpt.moments {
-        moments.push((format!("exp_avg.{name}"), m.shallow_clone()));
-        moments.push((format!("exp_avg_sq.{name}"), v.shallow_clone()));
-    }
-    write_tensors(&dir.join(OPTIMIZER_FILE), &moments)?;
+    write_tensors(&dir.join(OPTIMIZER_FILE), &ckpt.optimizer)?;
     if !ckpt.outer_momentum.is_empty() {
         write_tensors(&dir.join(OUTER_FILE), &ckpt.outer_momentum)?;
     }
@@ -202,7 +201,7 @@ pub fn load(path: &Path, manifest: Option<&RunManifest>) -> Result<Checkpoint> {
     let model = read_tensors(&dir.join(MODEL_FILE))?;
     let optimizer_file = dir.join(OPTIMIZER_FILE);
     let state_file = dir.join(STATE_FILE);
-    let (moments, state) = if state_file.exists() {
+    let (optimizer, state) = if state_file.exists() {
         let state: TrainState = serde_json::from_slice(
             &fs::read(&state_file).with_context(|| format!("reading {}", state_file.display()))?,
         )
@@ -214,20 +213,9 @@ pub fn load(path: &Path, manifest: Option<&RunManifest>) -> Result<Checkpoint> {
                 state.format
             );
         }
-        let mut by_name: HashMap<String, Tensor> =
-            read_tensors(&optimizer_file)?.into_iter().collect();
-        let mut moments = Vec::new();
-        for (name, _) in &model {
-            let mut take = |prefix: &str| {
-                by_name
-                    .remove(&format!("{prefix}.{name}"))
-                    .ok_or_else(|| anyhow!("{} lacks {prefix}.{name}", optimizer_file.display()))
-            };
-            let m = take("exp_avg")?;
-            let v = take("exp_avg_sq")?;
-            moments.push((name.clone(), m, v));
-        }
-        (moments, Some(state))
+        // Which tensors the optimizer needs, and their shapes, the trainer checks when it
+        // copies them in (`copy_into`).
+        (read_tensors(&optimizer_file)?, Some(state))
     } else {
         (Vec::new(), None)
     };
@@ -240,7 +228,7 @@ pub fn load(path: &Path, manifest: Option<&RunManifest>) -> Result<Checkpoint> {
     Ok(Checkpoint {
         manifest,
         model,
-        moments,
+        optimizer,
         state,
         outer_momentum,
     })

@@ -99,6 +99,22 @@ impl AdamW {
         self.steps = steps;
     }
 
+    /// The moments, named `exp_avg.<param>` and `exp_avg_sq.<param>` (the live tensors).
+    pub fn state(&self) -> Vec<(String, Tensor)> {
+        self.params
+            .iter()
+            .flat_map(|p| {
+                [
+                    (format!("exp_avg.{}", p.name), p.exp_avg.shallow_clone()),
+                    (
+                        format!("exp_avg_sq.{}", p.name),
+                        p.exp_avg_sq.shallow_clone(),
+                    ),
+                ]
+            })
+            .collect()
+    }
+
     /// Takes `config`'s settings (its betas) from the next step on.
     pub fn reset_config(&mut self, config: &OptimizerConfig) {
         self.config = config.clone();
@@ -246,6 +262,15 @@ impl InnerOptimizer {
         match self {
             InnerOptimizer::AdamW(o) => o.set_steps(steps),
             InnerOptimizer::Lordo(o) => o.set_steps(steps),
+        }
+    }
+
+    /// Every state tensor, named as a checkpoint's `optimizer.safetensors` holds it (the
+    /// live tensors: copying into them restores the state).
+    pub fn state(&self) -> Vec<(String, Tensor)> {
+        match self {
+            InnerOptimizer::AdamW(o) => o.state(),
+            InnerOptimizer::Lordo(o) => o.state(),
         }
     }
 

@@ -13,7 +13,7 @@
 
 use crate::checkpoint::{self, Checkpoint, TrainState};
 use crate::model::Llama;
-use crate::optim::{clip_grad_norm, AdamW, InnerOptimizer, LrSchedule};
+use crate::optim::{clip_grad_norm, InnerOptimizer, LrSchedule};
 use anyhow::{bail, Context, Result};
 use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::{Batch, BatchStream, WorkerSlot};
@@ -161,31 +161,7 @@ impl Trainer {
         let mut trainer =
             Trainer::with_stream_seed(manifest, device, data, slot, state.stream.seed)?;
         trainer.load_parameters(ckpt, dir)?;
-        let targets: Vec<(String, Tensor)> = trainer
-            .adamw()?
-            .params()
-            .iter()
-            .flat_map(|p| {
-                [
-                    (format!("exp_avg.{}", p.name), p.exp_avg.shallow_clone()),
-                    (
-                        format!("exp_avg_sq.{}", p.name),
-                        p.exp_avg_sq.shallow_clone(),
-                    ),
-                ]
-            })
-            .collect();
-        let sources: Vec<(String, Tensor)> = ckpt
-            .moments
-            .iter()
-            .flat_map(|(name, m, v)| {
-                [
-                    (format!("exp_avg.{name}"), m.shallow_clone()),
-                    (format!("exp_avg_sq.{name}"), v.shallow_clone()),
-                ]
-            })
-            .collect();
-        checkpoint::copy_into(&sources, &targets, dir, false)?;
+        checkpoint::copy_into(&ckpt.optimizer, &trainer.optimizer.state(), dir, false)?;
         trainer.optimizer.set_steps(state.step);
         trainer
             .stream
@@ -281,15 +257,6 @@ impl Trainer {
         &mut self.optimizer
     }
 
-    fn adamw(&self) -> Result<&AdamW> {
-        match &self.optimizer {
-            InnerOptimizer::AdamW(o) => Ok(o),
-            InnerOptimizer::Lordo(_) => {
-                bail!("checkpoints of the LoRDO optimizer state are not implemented yet")
-            }
-        }
-    }
-
     /// One optimizer step over `grad_accum` micro-batches of this worker's stream.
     pub fn step(&mut self) -> Result<StepReport> {
         let (loss, tokens) = self.accumulate_gradients()?;
@@ -343,20 +310,23 @@ impl Trainer {
         evaluate(&self.model, self.device, batches)
     }
 
-    /// The current state as a checkpoint (tensors copied to the CPU). Refused for a LoRDO
-    /// inner optimizer, whose state has no checkpoint format yet.
+    /// The current state as a checkpoint (tensors copied to the CPU): the model, the inner
+    /// optimizer's state (AdamW's moments, or LoRDO's moments, bases and error buffers), the
+    /// step and the data cursor.
     pub fn checkpoint(&self) -> Result<Checkpoint> {
         let to_cpu = |t: &Tensor| t.detach().to_device(Device::Cpu);
-        let params = self.adamw()?.params();
         Ok(Checkpoint {
             manifest: self.manifest.clone(),
-            model: params
+            model: self
+                .params
                 .iter()
-                .map(|p| (p.name.clone(), to_cpu(&p.param)))
+                .map(|(name, p)| (name.clone(), to_cpu(p)))
                 .collect(),
-            moments: params
-                .iter()
-                .map(|p| (p.name.clone(), to_cpu(&p.exp_avg), to_cpu(&p.exp_avg_sq)))
+            optimizer: self
+                .optimizer
+                .state()
+                .into_iter()
+                .map(|(name, t)| (name, to_cpu(&t)))
                 .collect(),
             state: Some(TrainState::new(
                 self.run_id.clone(),

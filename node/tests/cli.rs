@@ -3,6 +3,7 @@
 mod common;
 
 use common::{byte_data, write_manifest, TINY_RUN};
+use gasloc_node::checkpoint;
 use std::path::Path;
 use std::process::{Command, Output};
 
@@ -75,27 +76,26 @@ fn assert_fails_with(o: &Output, needle: &str) {
     );
 }
 
-#[test]
-fn resuming_gives_exactly_the_losses_and_weights_of_a_straight_run() {
-    let dir = tempfile::tempdir().unwrap();
-    let (run_toml, _) = write_manifest(dir.path(), TINY_RUN);
-    let data = byte_data(dir.path());
-    let straight = dir.path().join("straight");
-    let split = dir.path().join("split");
-
-    let a = train(&run_toml, &data, &straight, 8, &[]);
+/// Trains 8 steps straight and 4 + 4 with `--resume` under `dir`; asserts the same losses
+/// and bit-identical parameters and optimizer state after 8 steps either way. Returns the
+/// two checkpoint roots.
+fn assert_resume_is_exact(
+    run_toml: &Path,
+    data: &Path,
+    dir: &Path,
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let (straight, split) = (dir.join("straight"), dir.join("split"));
+    let a = train(run_toml, data, &straight, 8, &[]);
     assert!(a.status.success(), "{}", stderr(&a));
-    let b1 = train(&run_toml, &data, &split, 4, &[]);
+    let b1 = train(run_toml, data, &split, 4, &[]);
     assert!(b1.status.success(), "{}", stderr(&b1));
-    let b2 = train(&run_toml, &data, &split, 4, &["--resume"]);
+    let b2 = train(run_toml, data, &split, 4, &["--resume"]);
     assert!(b2.status.success(), "{}", stderr(&b2));
-
     let straight_losses = losses(&stdout(&a));
     let mut split_losses = losses(&stdout(&b1));
     split_losses.extend(losses(&stdout(&b2)));
     assert_eq!(straight_losses.len(), 8);
     assert_eq!(straight_losses, split_losses);
-    // Bit-identical parameters and optimizer moments after 8 steps either way.
     for file in ["model.safetensors", "optimizer.safetensors"] {
         let x = std::fs::read(straight.join("step_00000008").join(file)).unwrap();
         let y = std::fs::read(split.join("step_00000008").join(file)).unwrap();
@@ -104,6 +104,15 @@ fn resuming_gives_exactly_the_losses_and_weights_of_a_straight_run() {
             "{file} differs between the straight and the resumed run"
         );
     }
+    (straight, split)
+}
+
+#[test]
+fn resuming_gives_exactly_the_losses_and_weights_of_a_straight_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let (run_toml, _) = write_manifest(dir.path(), TINY_RUN);
+    let data = byte_data(dir.path());
+    let (straight, split) = assert_resume_is_exact(&run_toml, &data, dir.path());
     // eval is deterministic and reads the checkpoint root through `latest`.
     let eval = |path: &Path| {
         let o = run(node()
@@ -118,6 +127,44 @@ fn resuming_gives_exactly_the_losses_and_weights_of_a_straight_run() {
     assert!(e1.starts_with("val_loss="), "{e1}");
     assert_eq!(e1, eval(&straight.join("step_00000008")));
     assert_eq!(e1, eval(&split));
+}
+
+#[test]
+fn resuming_lordo_gives_exactly_the_state_of_a_straight_run() {
+    // LoRDO at rank 4 in the authors' regime, switching at step 3 (0.015 of 200 decay
+    // steps): the checkpoint of step 4 holds the low-rank moments, the bases and the error
+    // buffers, and the resumed run is past the switch (betas, lr, ω restored from the step).
+    let dir = tempfile::tempdir().unwrap();
+    let text = format!(
+        "{TINY_RUN}\n[outer]\ninner_optimizer = \"lordo\"\n[lordo]\nrank = 4\nomega = 0.9\n\
+         regime = \"authors\"\nswitch_fraction = 0.015\n"
+    );
+    let (run_toml, _) = write_manifest(dir.path(), &text);
+    let data = byte_data(dir.path());
+    let (_, split) = assert_resume_is_exact(&run_toml, &data, dir.path());
+    let saved =
+        checkpoint::read_tensors(&split.join("step_00000004").join("optimizer.safetensors"))
+            .unwrap();
+    let name = "model.layers.0.self_attn.q_proj.weight";
+    for prefix in ["basis", "error", "exp_avg", "exp_avg_sq"] {
+        assert!(
+            saved.iter().any(|(n, _)| *n == format!("{prefix}.{name}")),
+            "the checkpoint holds {prefix}.{name}"
+        );
+    }
+
+    // A LoRDO state that does not match the manifest (a basis of another rank) is refused,
+    // naming the tensor, and the checkpoint is left as it was.
+    let path = split.join("step_00000008").join("optimizer.safetensors");
+    let mut tensors = checkpoint::read_tensors(&path).unwrap();
+    let basis = format!("basis.{name}");
+    let entry = tensors.iter_mut().find(|(n, _)| *n == basis).unwrap();
+    entry.1 = entry.1.narrow(1, 0, 2).contiguous();
+    checkpoint::write_tensors(&path, &tensors).unwrap();
+    let before = std::fs::read(&path).unwrap();
+    let c = train(&run_toml, &data, &split, 1, &["--resume"]);
+    assert_fails_with(&c, &basis);
+    assert_eq!(std::fs::read(&path).unwrap(), before);
 }
 
 #[test]

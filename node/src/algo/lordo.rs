@@ -237,6 +237,25 @@ impl Lordo {
         &self.projected
     }
 
+    /// Every state tensor, named (the live tensors): the full-rank tensors' moments
+    /// (`exp_avg.<param>`, `exp_avg_sq.<param>`), and per projected matrix its moments in
+    /// basis coordinates under the same names, its basis (`basis.<param>`) and its error
+    /// feedback (`error.<param>`). The regime's state follows from the step count.
+    pub fn state(&self) -> Vec<(String, Tensor)> {
+        let mut state = self.full_rank.state();
+        for s in &self.projected {
+            for (prefix, t) in [
+                ("exp_avg", &s.exp_avg),
+                ("exp_avg_sq", &s.exp_avg_sq),
+                ("basis", &s.basis),
+                ("error", &s.error),
+            ] {
+                state.push((format!("{prefix}.{}", s.name), t.shallow_clone()));
+            }
+        }
+        state
+    }
+
     /// One LoRDO step at learning rate `lr` (the schedule's; the regime may scale it).
     pub fn step(&mut self, lr: f64) {
         let _guard = tch::no_grad_guard();
