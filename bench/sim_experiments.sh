@@ -66,14 +66,23 @@ exp3() { # outer momentum as gossip acceleration: consensus per round, one-peer,
   sim e3-one-peer-mu0.9-eta0.07 "$r30" "$d30" 'topology = "one-peer"\ninner_steps = 30\nmomentum = 0.9\nlr = 0.07' ''
 }
 
-exp4() { # LoRDO: global projection (all-reduce) without / with the full-rank QH term, ranks d/32, d/8, d/4
+exp4() { # LoRDO. Global projection (the paper's and the authors' code): DiLoCo's all-reduce of
+  # the full-rank model, every worker's basis the top-r singular vectors of the full-rank global
+  # mean pseudo-gradient; without (ω = 1) and with the full-rank term, ranks d/32, d/8, d/4; at
+  # d/8 also the paper's form of the term (the gradient alone) and the authors' regime. Then
+  # our gossip adaptation, the `lordo` payload (each pseudo-gradient's own top-r factors).
   for r in 2 8 16; do
     for w in 1.0 0.97; do
-      sim "e4-lordo-diloco-r$r-omega$w" "$r30" "$d30" \
-        'algorithm = "diloco"\ninner_steps = 30\ninner_optimizer = "lordo"\npayload = "lordo"' \
-        "rank = $r\nomega = $w\nfull_sync_every = 1000000"
+      sim "e4-lordo-global-r$r-omega$w" "$r30" "$d30" \
+        'algorithm = "diloco"\ninner_steps = 30\ninner_optimizer = "lordo"' "rank = $r\nomega = $w"
     done
   done
+  sim e4-lordo-global-r8-omega0.97-paper-term "$r30" "$d30" \
+    'algorithm = "diloco"\ninner_steps = 30\ninner_optimizer = "lordo"' \
+    'rank = 8\nomega = 0.97\nfull_rank_term = "gradient"'
+  sim e4-lordo-global-r8-authors-regime "$r30" "$d30" \
+    'algorithm = "diloco"\ninner_steps = 30\ninner_optimizer = "lordo"' \
+    'rank = 8\nomega = 0.97\nregime = "authors"'
   for w in 1.0 0.97; do
     sim "e4-lordo-gossip-two-peer-r8-omega$w" "$r30" "$d30" \
       'topology = "two-peer"\ninner_steps = 30\ninner_optimizer = "lordo"\npayload = "lordo"' \
