@@ -61,6 +61,8 @@ exp2() { # H = 1: GASLoC vs DAdam on four topologies
 }
 
 exp3() { # outer momentum as gossip acceleration: consensus per round, one-peer, H = 30 (μ = 0.9 is e1-gasloc-one-peer)
+  # 3b: a pure disagreement under repeated mixing (no local steps), n = 8, 32, 128
+  cargo test -q -p gasloc-node --bench gossip_contraction -- 3000 1,2 | tee "$out/e3-contraction.md"
   sim e3-one-peer-mu0 "$r30" "$d30" 'topology = "one-peer"\ninner_steps = 30\nmomentum = 0.0' ''
   # the same long-run step size η/(1−μ) = 0.7 as μ = 0
   sim e3-one-peer-mu0.9-eta0.07 "$r30" "$d30" 'topology = "one-peer"\ninner_steps = 30\nmomentum = 0.9\nlr = 0.07' ''

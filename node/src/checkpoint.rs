@@ -11,6 +11,8 @@
 //!                                            and error.<name> of its projected matrices, whose
 //!                                            moments are in basis coordinates)
 //!                      train_state.json      step, run id, worker slot, data-stream cursor
+//!                                            (a swarm node's also: its round, its payload
+//!                                            gate's accepted distances)
 //!                      run.toml              the resolved run manifest (canonical bytes)
 //! <root>/latest                              "step_00000100"
 //! ```
@@ -52,6 +54,11 @@ pub struct TrainState {
     /// For a swarm node: the round the saved anchor begins (the next one it takes part in).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub round: Option<u64>,
+    /// For a swarm node: the distances its payload gate accepted lately, oldest first (the
+    /// gate's reference, `gasloc_proto::gate::PayloadGate::accepted`), so that a restarted
+    /// node judges its neighbours as it did before the restart.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gate_accepted: Vec<f64>,
 }
 
 impl TrainState {
@@ -64,6 +71,7 @@ impl TrainState {
             worker_count: slot.count,
             stream,
             round: None,
+            gate_accepted: Vec::new(),
         }
     }
 }

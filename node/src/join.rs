@@ -342,7 +342,8 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
                     );
                 }
                 status.send_modify(|s| s.record_state_sync(synced.report()));
-                work.load_state(synced.round, synced.state).await?;
+                work.load_state(synced.round, synced.state, synced.spread)
+                    .await?;
             }
             None => println!("state_sync=none"),
         }
@@ -443,8 +444,12 @@ async fn make_trainer(
     let volunteer = tokio::task::spawn_blocking(move || Volunteer::start(options)).await??;
     match volunteer.start_kind() {
         Start::Fresh => println!("start=fresh device={}", device_name(device)),
-        Start::Resumed { round, step } => println!(
-            "start=resumed round={round} step={step} device={}",
+        Start::Resumed {
+            round,
+            step,
+            gate_window,
+        } => println!(
+            "start=resumed round={round} step={step} gate_window={gate_window} device={}",
             device_name(device)
         ),
     }

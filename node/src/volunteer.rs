@@ -26,6 +26,7 @@
 use crate::algo::outer::{mixed_pseudo_gradient, OuterOptimizer};
 use crate::algo::overlap::{LocalModel, OverlapError, OverlappedOuter};
 use crate::checkpoint::{self, Checkpoint};
+use crate::optim::InnerOptimizer;
 use crate::trainer::{validation_set, Trainer};
 use anyhow::{anyhow, bail, Context, Result};
 use gasloc_data::shards::{ShardSupply, TokenDataset};
@@ -40,7 +41,6 @@ use gasloc_p2p::PeerId;
 use gasloc_proto::gate::{PayloadGate, PayloadStats, Refusal};
 use gasloc_proto::manifest::{Algorithm, InnerOptimizerKind, Overlap, Payload};
 use gasloc_proto::pace::{InnerSteps, MovingAverage};
-use gasloc_proto::topology::MixingRow;
 use gasloc_proto::wire::DType;
 use gasloc_proto::RunManifest;
 use sha2::{Digest, Sha256};
@@ -89,8 +89,13 @@ pub struct VolunteerOptions {
 pub enum Start {
     /// From the run's seed initialisation (a new run, unless state sync finds one under way).
     Fresh,
-    /// From its own checkpoint, whose anchor begins this round.
-    Resumed { round: u64, step: u64 },
+    /// From its own checkpoint, whose anchor begins this round; `gate_window` distances
+    /// restored to the payload gate's window.
+    Resumed {
+        round: u64,
+        step: u64,
+        gate_window: usize,
+    },
 }
 
 /// The libtorch trainer behind `gasloc-node join` (a handle to its thread).
@@ -106,7 +111,7 @@ enum Request {
     Train(TrainOrder, oneshot::Sender<Result<Trained>>),
     Screen(Vec<Candidate>, oneshot::Sender<Result<Vec<Screened>>>),
     Finish(Received, oneshot::Sender<Result<Finished>>),
-    LoadState(u64, TensorSet, oneshot::Sender<Result<()>>),
+    LoadState(u64, TensorSet, Vec<f64>, oneshot::Sender<Result<()>>),
     Close(oneshot::Sender<Result<()>>),
 }
 
@@ -191,8 +196,8 @@ impl RoundWork for Volunteer {
     fn finish(&mut self, received: Received) -> WorkFuture<Finished> {
         self.call(|reply| Request::Finish(received, reply))
     }
-    fn load_state(&mut self, round: u64, state: TensorSet) -> WorkFuture<()> {
-        self.call(|reply| Request::LoadState(round, state, reply))
+    fn load_state(&mut self, round: u64, state: TensorSet, spread: Vec<f64>) -> WorkFuture<()> {
+        self.call(|reply| Request::LoadState(round, state, spread, reply))
     }
     fn close(&mut self) -> WorkFuture<()> {
         self.call(Request::Close)
@@ -207,8 +212,14 @@ fn check_supported(m: &RunManifest) -> Result<()> {
             m.outer.algorithm
         );
     }
-    if m.outer.payload == Payload::Lordo || m.outer.inner_optimizer == InnerOptimizerKind::Lordo {
-        bail!("[outer] payload/inner_optimizer = \"lordo\": join exchanges model-fp32 or model-bf16 payloads only (LoRDO runs in `gasloc-node sim`)");
+    if m.outer.payload == Payload::Lordo {
+        bail!("[outer] payload = \"lordo\": join exchanges model-fp32 or model-bf16 payloads only (the low-rank payload runs in `gasloc-node sim`); the LoRDO inner optimizer (inner_optimizer = \"lordo\") runs in join with a model payload");
+    }
+    if m.outer.inner_optimizer == InnerOptimizerKind::Lordo && m.outer.overlap != Overlap::None {
+        bail!(
+            "[outer] overlap = {:?} with inner_optimizer = \"lordo\": join refreshes LoRDO's bases from the round's mixed pseudo-gradient before the next inner step, which overlapped rounds take before the mix; use overlap = \"none\"",
+            m.outer.overlap
+        );
     }
     Ok(())
 }
@@ -259,6 +270,7 @@ impl RoundTrainer {
         let slot = WorkerSlot { index: 0, count: 1 };
         let mut start = Start::Fresh;
         let mut saved_momentum = Vec::new();
+        let mut gate_accepted = Vec::new();
         let trainer = match newest_checkpoint(&options)? {
             Some((dir, ckpt)) => {
                 let trainer = Trainer::from_checkpoint(
@@ -270,9 +282,11 @@ impl RoundTrainer {
                     &dir,
                 )?;
                 let state = ckpt.state.as_ref().expect("checked by from_checkpoint");
+                gate_accepted = state.gate_accepted.clone();
                 start = Start::Resumed {
                     round: state.round.unwrap_or(0),
                     step: state.step,
+                    gate_window: gate_accepted.len(),
                 };
                 saved_momentum = ckpt.outer_momentum;
                 trainer
@@ -317,7 +331,7 @@ impl RoundTrainer {
             shapes,
             anchor,
             outer,
-            gate: PayloadGate::new(manifest.gate.clone()),
+            gate: PayloadGate::with_accepted(manifest.gate.clone(), gate_accepted),
             val,
             step_time: MovingAverage::default(),
             round,
@@ -356,8 +370,8 @@ impl RoundTrainer {
                 Request::Finish(received, reply) => {
                     let _ = reply.send(self.finish(received));
                 }
-                Request::LoadState(round, state, reply) => {
-                    let _ = reply.send(self.load_state(round, state));
+                Request::LoadState(round, state, spread, reply) => {
+                    let _ = reply.send(self.load_state(round, state, spread));
                 }
                 Request::Close(reply) => {
                     // Saved already when the newest checkpoint holds the current anchor.
@@ -418,7 +432,7 @@ impl RoundTrainer {
         }
         if self.overlap.is_some() {
             self.serve_handed_off(inbox, true)?;
-            self.hand_off(order.round, order.row.get())?;
+            self.hand_off(order.round)?;
         }
         Ok(Trained {
             payload: self.payload()?,
@@ -465,26 +479,17 @@ impl RoundTrainer {
     }
 
     /// Overlapped rounds: round `round`'s payload goes to the exchange and the next round
-    /// trains on: delayed from the payload, eager from the anchor after its own outer step
-    /// (with the round's planned `row`; without one, as delayed). When that round's outer step
+    /// trains on: delayed from the payload, eager from the anchor after its own outer step.
+    /// When that round's outer step
     /// will save a checkpoint, the moments and data cursor are taken now, as a blocking node
     /// would save them.
-    fn hand_off(&mut self, round: u64, row: Option<MixingRow>) -> Result<()> {
+    fn hand_off(&mut self, round: u64) -> Result<()> {
         let Some(overlap) = self.overlap.as_mut() else {
             return Ok(());
         };
-        if overlap.mode() == Overlap::Eager && row.is_none() {
-            tracing::info!("round {round}: handed off before the round was decided: its whole outer step waits for the exchange");
-        }
         let local: Vec<Tensor> = self.trainer.parameters();
         let trains_from = overlap
-            .hand_off(
-                round,
-                row.as_ref(),
-                &mut self.anchor,
-                &mut self.outer,
-                &local,
-            )
+            .hand_off(round, &mut self.anchor, &mut self.outer, &local)
             .map_err(|e| anyhow!("overlapped round {round}: {e}"))?;
         if let LocalModel::Replace(x) = trains_from {
             self.trainer.set_parameters(&x);
@@ -666,6 +671,17 @@ impl RoundTrainer {
             None => {
                 let delta = mixed_pseudo_gradient(&received.mixing, &self.anchor, model);
                 self.outer.step(&mut self.anchor, &delta);
+                // LoRDO: each projected matrix's basis becomes the top-r singular vectors
+                // of its mixed pseudo-gradient, as the simulator does (under DiLoCo the
+                // global mean: the paper's global projection).
+                if let InnerOptimizer::Lordo(lordo) = self.trainer.inner_optimizer_mut() {
+                    let similarity = lordo.refresh_basis(&self.names, &delta);
+                    tracing::info!(
+                        round = received.round,
+                        similarity,
+                        "lordo bases refreshed from the mixed pseudo-gradient"
+                    );
+                }
                 self.trainer.set_parameters(&self.anchor);
                 evaluate.then(|| self.trainer.evaluate(&self.val))
             }
@@ -733,7 +749,7 @@ impl RoundTrainer {
         Ok(TensorSet::new(tensors))
     }
 
-    fn load_state(&mut self, round: u64, state: TensorSet) -> Result<()> {
+    fn load_state(&mut self, round: u64, state: TensorSet, spread: Vec<f64>) -> Result<()> {
         let n = self.names.len();
         if state.tensors.len() != 2 * n {
             bail!(
@@ -762,9 +778,35 @@ impl RoundTrainer {
             a.copy_(v);
         }
         self.outer.set_momentum(&momentum);
+        // LoRDO: a joiner has no pseudo-gradient of its own yet; its bases start as the top-r
+        // singular vectors of the synced outer momentum, the swarm's recent pseudo-gradients
+        // (before the first outer step the momentum is zero, and the bases stay as they are).
+        if let InnerOptimizer::Lordo(lordo) = self.trainer.inner_optimizer_mut() {
+            // Any non-zero value: the finiteness check above ran on the same values.
+            let moved = momentum
+                .iter()
+                .any(|m| m.abs().max().double_value(&[]) > 0.0);
+            if moved {
+                let similarity = lordo.refresh_basis(&self.names, &momentum);
+                tracing::info!(
+                    round,
+                    similarity,
+                    "lordo bases from the synced outer momentum"
+                );
+                println!("lordo_bases_from=synced_momentum round={round}");
+            }
+        }
         self.trainer.set_parameters(&self.anchor);
         self.round = round;
-        tracing::info!(round, "state synced: training from the swarm's anchor");
+        // The window of accepted distances: the synced sources' spread, when they were
+        // several and not all alike; else what this node had (a stale checkpoint's window,
+        // or none).
+        self.gate.restart_window(spread);
+        tracing::info!(
+            round,
+            gate_reference = self.gate.accepted_median().unwrap_or(0.0),
+            "state synced: training from the swarm's anchor"
+        );
         Ok(())
     }
 
@@ -802,6 +844,7 @@ impl RoundTrainer {
             .collect();
         if let Some(state) = ckpt.state.as_mut() {
             state.round = Some(self.round);
+            state.gate_accepted = self.gate.accepted();
         }
         let dir = checkpoint::save(
             &self.options.checkpoints,
@@ -892,7 +935,9 @@ mod tests {
         assert!(check_supported(&manifest("algorithm = \"diloco\"")).is_ok());
         let refused = |outer: &str| check_supported(&manifest(outer)).unwrap_err().to_string();
         assert!(refused("algorithm = \"dadam\"").contains("algorithm"));
-        assert!(refused("inner_optimizer = \"lordo\"").contains("lordo"));
+        assert!(check_supported(&manifest("inner_optimizer = \"lordo\"")).is_ok());
+        assert!(refused("inner_optimizer = \"lordo\"\npayload = \"lordo\"").contains("payload"));
+        assert!(refused("inner_optimizer = \"lordo\"\noverlap = \"delayed\"").contains("overlap"));
         assert!(check_supported(&manifest("overlap = \"delayed\"")).is_ok());
         assert!(check_supported(&manifest("overlap = \"eager\"")).is_ok());
     }

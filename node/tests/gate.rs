@@ -47,7 +47,6 @@ async fn train(v: &mut Volunteer) -> TensorSet {
     let order = TrainOrder {
         round: 0,
         deadline: TrainDeadline::new(unix_ms() + 60_000),
-        row: Default::default(),
     };
     v.train(order).await.unwrap().payload
 }

@@ -20,8 +20,8 @@ use crate::round_machine::{Input, MachineConfig, Outcome, Output, RoundMachine, 
 use crate::schedule::{RoundSchedule, Timing};
 use crate::tensors::TensorSet;
 use crate::work::{
-    Arrived, Candidate, Finished, GateReading, PlannedRow, Received, RoundWork, Screened,
-    TrainDeadline, TrainOrder, Trained, WorkFuture,
+    Arrived, Candidate, Finished, GateReading, Received, RoundWork, Screened, TrainDeadline,
+    TrainOrder, Trained, WorkFuture,
 };
 use gasloc_proto::wire::{control_message::Body, ControlMessage, PayloadKind};
 use gasloc_status::{NodeState, NodeStatus};
@@ -143,7 +143,6 @@ impl RoundDriver {
         );
         // What the machine must not see: the round's payload, and what arrived.
         let mut deadline = TrainDeadline::default();
-        let mut planned = PlannedRow::default();
         let mut payload: Option<Arc<OutgoingPayload>> = None;
         let mut arrived: ExchangeResults = Vec::new();
         let mut training: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Trained)>> = None;
@@ -175,13 +174,11 @@ impl RoundDriver {
                     Output::StartTraining { round, deadline_ms } => {
                         self.service.advance_floor(round);
                         deadline = TrainDeadline::new(deadline_ms);
-                        planned = PlannedRow::default();
                         // The payload moves into the outgoing message (no copy).
                         training = Some(ready_to_send(
                             self.work.train(TrainOrder {
                                 round,
                                 deadline: deadline.clone(),
-                                row: planned.clone(),
                             }),
                             PayloadKind::Model,
                             self.options.send.clone(),
@@ -189,7 +186,6 @@ impl RoundDriver {
                         ));
                     }
                     Output::MoveDeadline { deadline_ms, .. } => deadline.set(deadline_ms),
-                    Output::Planned { row, .. } => planned.set(row),
                     Output::StartExchange { round, neighbours } => {
                         let (banned, neighbours): (Vec<PeerId>, Vec<PeerId>) =
                             neighbours.into_iter().partition(|p| standing.is_banned(p));

@@ -42,6 +42,8 @@ pub enum ExchangeError {
     WrongRun { got: String },
     #[error("header is for round {got}, older than the expected round {expected}")]
     OldRound { got: u64, expected: u64 },
+    #[error("header is for round {round}, whose exchange has ended on this node")]
+    RoundClosed { round: u64 },
     #[error("header is for round {got}, ahead of the expected round {expected}")]
     FutureRound { got: u64, expected: u64 },
     #[error("peer {peer} is not a neighbour of this node in round {round}")]
@@ -85,6 +87,7 @@ impl ExchangeError {
         Some(match self {
             ExchangeError::WrongRun { .. } => RefusalReason::WrongRun,
             ExchangeError::OldRound { .. } => RefusalReason::OldRound,
+            ExchangeError::RoundClosed { .. } => RefusalReason::RoundClosed,
             ExchangeError::FutureRound { .. } => RefusalReason::FutureRound,
             ExchangeError::NotANeighbour { .. } | ExchangeError::SenderMismatch { .. } => {
                 RefusalReason::NotANeighbour
@@ -118,6 +121,7 @@ impl ExchangeError {
             RefusalReason::TooLarge => "too_large",
             RefusalReason::Busy => "busy",
             RefusalReason::NoState => "no_state",
+            RefusalReason::RoundClosed => "round_closed",
         })
     }
 }

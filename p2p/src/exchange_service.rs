@@ -18,7 +18,7 @@ use futures::{AsyncWriteExt, StreamExt};
 use gasloc_proto::wire::{PayloadKind, Refusal, RefusalReason};
 use gasloc_proto::RunId;
 use libp2p::{PeerId, Stream, StreamProtocol};
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{broadcast, oneshot, Notify, Semaphore};
@@ -86,6 +86,9 @@ struct RoundSlot {
     waiting: HashMap<PeerId, oneshot::Sender<Result<Swapped, ExchangeError>>>,
 }
 
+/// How many ended rounds [`ServiceState::closed`] remembers.
+const CLOSED_ROUNDS_KEPT: usize = 8;
+
 #[derive(Default)]
 struct ServiceState {
     /// Rounds below this are over: their streams are refused as old.
@@ -94,6 +97,9 @@ struct ServiceState {
     /// that, a stream for any round waits for the round to be registered.
     positioned: bool,
     rounds: HashMap<u64, RoundSlot>,
+    /// The last few rounds whose exchange ended here, newest last: a stream for one of them
+    /// is late ([`ExchangeError::RoundClosed`]), not a replay of an old round.
+    closed: VecDeque<u64>,
     state: Option<(u64, Arc<OutgoingPayload>)>,
     /// A state request found no fresh state: the next outer step should make one.
     state_wanted: bool,
@@ -276,6 +282,10 @@ impl ExchangeService {
         {
             let mut st = self.inner.state.lock().expect("exchange state lock");
             st.rounds.remove(&round);
+            st.closed.push_back(round);
+            while st.closed.len() > CLOSED_ROUNDS_KEPT {
+                st.closed.pop_front();
+            }
             st.floor = st.floor.max(round + 1);
         }
         self.inner.changed.notify_waiters();
@@ -424,6 +434,9 @@ async fn claim_slot(inner: &Inner, peer: PeerId, round: u64) -> Result<ClaimedSl
             // A registered round is served even below the floor: with overlapped rounds the
             // node starts round t+1 (raising the floor) while round t's exchange runs.
             if round < st.floor && !st.rounds.contains_key(&round) {
+                if st.closed.contains(&round) {
+                    return Err(ExchangeError::RoundClosed { round });
+                }
                 return Err(ExchangeError::OldRound {
                     got: round,
                     expected: st.floor,

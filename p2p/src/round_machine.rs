@@ -122,9 +122,6 @@ pub enum Output {
     StartTraining { round: u64, deadline_ms: u64 },
     /// The inner steps of the round in flight should now end by `deadline_ms`.
     MoveDeadline { round: u64, deadline_ms: u64 },
-    /// The round in training is decided: `row` is its mixing row should every neighbour
-    /// deliver (eager overlap's own outer step at the hand-off uses its self weight).
-    Planned { round: u64, row: MixingRow },
     /// Swap the round's payload with these neighbours.
     StartExchange { round: u64, neighbours: Vec<PeerId> },
     /// Mix with `mixing` and take the outer step. `arrived` names, for each neighbour
@@ -674,12 +671,6 @@ impl RoundMachine {
         out.push(Output::Status(StatusChange::Neighbours(
             plan.neighbours.clone(),
         )));
-        if a.phase == Phase::Training {
-            out.push(Output::Planned {
-                round: a.round,
-                row: plan.mixing_row(timing.topology, &self.me, &[]),
-            });
-        }
         a.predicted_exchange_s = predicted;
         a.decided_at_ms = decided_at;
         if a.phase == Phase::Training && deadline_ms != a.deadline_ms {
@@ -1038,13 +1029,7 @@ mod tests {
         // No link known yet: the deadline leaves the margin (5 % of the period) only.
         assert_eq!(training_of(&started[0]), Some((0, start(1) - 500)));
         assert_eq!(s.machines[0].phase(), Some((0, Phase::Training)));
-        let decided = s.tick(start(0) + 1000);
-        // The trainer learns the row it will mix with, should every neighbour deliver.
-        let planned = find(&decided[0], |o| match o {
-            Output::Planned { round: 0, row } => Some(row.clone()),
-            _ => None,
-        })
-        .expect("the decided round's planned row");
+        s.tick(start(0) + 1000);
         let out = s.input(0, trained(0), start(0) + 5000);
         assert_eq!(exchange_of(&out), Some(vec![peer(1)]));
         let out = s.input(
@@ -1056,10 +1041,6 @@ mod tests {
             start(0) + 5100,
         );
         let (row, arrived) = finish_of(&out).unwrap();
-        assert_eq!(
-            row, planned,
-            "everyone delivered: the row applied is the one planned"
-        );
         assert_eq!(row.weight(row.worker), 0.5);
         let other = row.neighbours().next().unwrap();
         assert_eq!(row.weight(other), 0.5);

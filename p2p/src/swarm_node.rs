@@ -74,15 +74,20 @@ pub const MAX_STATE_PEERS_ASKED: usize = 8;
 pub struct SyncedState {
     /// The round the state begins: the latest among the sources kept.
     pub round: u64,
-    /// The mean of the kept sources' states.
+    /// The kept sources' states combined: their median (three or more) or mean (two).
     pub state: TensorSet,
-    /// The peers whose states agreed and were averaged (one alone: not cross-checked).
+    /// The peers whose states agreed and were combined (one alone: not cross-checked).
     pub sources: Vec<PeerId>,
     /// The states refused, and why.
     pub refused: Vec<RefusedPayload>,
     /// The largest `‖θ_a − θ_b‖ / min(‖θ_a‖, ‖θ_b‖)` between the anchors of two kept
     /// sources (0 for one).
     pub disagreement: f64,
+    /// `‖θ_k − θ_start‖` of each kept source's anchor from the anchor the joiner starts from
+    /// (one source: none): how far apart the swarm's anchors lie, so how far an honest
+    /// neighbour's model will lie from this node's. The joiner's payload gate starts its
+    /// window from them ([`RoundWork::load_state`](crate::work::RoundWork::load_state)).
+    pub spread: Vec<f64>,
 }
 
 impl SyncedState {
@@ -117,6 +122,9 @@ struct Judged {
     verdict: StateVerdict,
     /// `relative[a][b] = ‖θ_a − θ_b‖ / min(‖θ_a‖, ‖θ_b‖)`, the anchors'.
     relative: Vec<Vec<f64>>,
+    /// With three sources or more, `‖θ_i − θ_median‖ / ‖θ_median‖`, the measure they are
+    /// judged by.
+    to_median: Option<Vec<f64>>,
     fetched: Vec<FetchedState>,
 }
 
@@ -129,6 +137,9 @@ async fn judge_fetched(gate: GateConfig, fetched: Vec<FetchedState>) -> anyhow::
             .iter()
             .map(|f| f.state.norm_where(is_anchor))
             .collect();
+        for (f, norm) in fetched.iter().zip(&norms) {
+            tracing::info!(peer = %f.peer, round = f.round, norm, "state sync: a source's anchor");
+        }
         let mut distances = vec![vec![f64::INFINITY; n]; n];
         let mut relative = vec![vec![0.0; n]; n];
         for a in 0..n {
@@ -147,6 +158,7 @@ async fn judge_fetched(gate: GateConfig, fetched: Vec<FetchedState>) -> anyhow::
                 (relative[a][b], relative[b][a]) = (r, r);
             }
         }
+        let mut to_median_relative = None;
         let verdict = match n {
             0 => StateVerdict::Split,
             1 => StateVerdict::Unchecked,
@@ -170,7 +182,9 @@ async fn judge_fetched(gate: GateConfig, fetched: Vec<FetchedState>) -> anyhow::
                             median_norm,
                             "state sync: distances to the median anchor"
                         );
-                        judge_against_median(&gate, &norms, median_norm, &to_median)
+                        to_median_relative =
+                            Some(to_median.iter().map(|d| d / median_norm).collect());
+                        judge_against_median(&gate, median_norm, &to_median)
                     }
                     None => StateVerdict::Split,
                 }
@@ -179,6 +193,7 @@ async fn judge_fetched(gate: GateConfig, fetched: Vec<FetchedState>) -> anyhow::
         Judged {
             verdict,
             relative,
+            to_median: to_median_relative,
             fetched,
         }
     })
@@ -198,10 +213,12 @@ fn split_error(fetched: &[FetchedState], gate: &GateConfig) -> String {
     )
 }
 
-/// The mean of the `kept` states, each one's outer momentum first clipped to the lower
-/// median of their norms ([`momentum_clip`]), on a blocking thread; a single kept state is
-/// taken as it is.
-async fn mean_of(
+/// The state a joiner starts from, of the `kept` states, on a blocking thread: three or more,
+/// their coordinate-wise median (anchor and outer momentum alike: a source the bound let
+/// through moves no coordinate outside the range of the others); two, their mean, each one's
+/// outer momentum first clipped to the lower median of their norms ([`momentum_clip`]); one,
+/// that state as it is.
+async fn start_state_of(
     mut fetched: Vec<FetchedState>,
     kept: Vec<usize>,
     refused: Vec<RefusedPayload>,
@@ -212,6 +229,10 @@ async fn mean_of(
         let sources = kept.iter().map(|&i| fetched[i].peer).collect();
         let state = if let [only] = kept[..] {
             fetched.swap_remove(only).state
+        } else if kept.len() >= 3 {
+            let sets: Vec<&TensorSet> = kept.iter().map(|&i| &fetched[i].state).collect();
+            TensorSet::median(&sets)
+                .ok_or_else(|| anyhow!("state sync: the kept states' tables differ"))?
         } else {
             let is_momentum = |t: &crate::tensors::Tensor| !is_anchor(t);
             let norms: Vec<f64> = kept
@@ -228,12 +249,20 @@ async fn mean_of(
             TensorSet::mean(&sets)
                 .ok_or_else(|| anyhow!("state sync: the kept states' tables differ"))?
         };
+        let spread = if kept.len() >= 2 {
+            kept.iter()
+                .filter_map(|&i| fetched[i].state.distance_where(&state, is_anchor))
+                .collect()
+        } else {
+            Vec::new()
+        };
         Ok(SyncedState {
             round,
             state,
             sources,
             refused,
             disagreement,
+            spread,
         })
     })
     .await?
@@ -413,9 +442,10 @@ impl JoinedNode {
     /// and infinity; the finite ones are measured against each other (torch-free, on the
     /// raw bytes, off the async runtime's threads): three or more against their
     /// coordinate-wise median ([`judge_against_median`]), two against each other
-    /// ([`judge_pair`]). The joiner starts from the mean of those that agree within
-    /// `gate.max_state_disagreement`, each outer momentum clipped to their median norm
-    /// ([`momentum_clip`]); when the states split it asks more peers, up to
+    /// ([`judge_pair`]). The joiner starts from those that agree within
+    /// `gate.max_state_disagreement`: their coordinate-wise median (three or more) or their
+    /// mean (two, each outer momentum clipped to their median norm, [`momentum_clip`]),
+    /// see [`start_state_of`]; when the states split it asks more peers, up to
     /// [`MAX_STATE_PEERS_ASKED`] in all, before giving up with an error. A
     /// single source is taken unchecked (the report says so). `Ok(None)` when nobody
     /// serves a state (a new run: start from the seed). Peers are asked in random order,
@@ -481,13 +511,23 @@ impl JoinedNode {
             match judged.verdict {
                 StateVerdict::Agreed { kept, outvoted } => {
                     for &i in &outvoted {
-                        let worst = kept.iter().map(|&k| relative[i][k]).fold(0.0, f64::max);
-                        let reason = format!(
-                            "state sync: the state's anchor lies {worst:.3e} of its norm from \
-                             the {} sources that agree (beyond gate.max_state_disagreement = {})",
-                            kept.len(),
-                            gate.max_state_disagreement
-                        );
+                        let reason = match &judged.to_median {
+                            Some(to_median) => format!(
+                                "state sync: the state's anchor lies {:.3e} of the median's norm \
+                                 from the median of the {} sources (beyond \
+                                 gate.max_state_disagreement = {})",
+                                to_median[i],
+                                fetched.len(),
+                                gate.max_state_disagreement
+                            ),
+                            None => format!(
+                                "state sync: the state's anchor lies up to {:.3e} of the smaller \
+                                 norm from the sources that agree (beyond \
+                                 gate.max_state_disagreement = {})",
+                                kept.iter().map(|&k| relative[i][k]).fold(0.0, f64::max),
+                                gate.max_state_disagreement
+                            ),
+                        };
                         refused.push(refuse_state(fetched[i].peer, "state_disagrees", reason));
                     }
                     let disagreement = kept
@@ -495,14 +535,16 @@ impl JoinedNode {
                         .flat_map(|&a| kept.iter().map(move |&b| (a, b)))
                         .map(|(a, b)| relative[a][b])
                         .fold(0.0, f64::max);
-                    return Ok(Some(mean_of(fetched, kept, refused, disagreement).await?));
+                    return Ok(Some(
+                        start_state_of(fetched, kept, refused, disagreement).await?,
+                    ));
                 }
                 StateVerdict::Unchecked => {
                     tracing::warn!(
                         peer = %fetched[0].peer,
                         "state sync: one source only; its state is not cross-checked"
                     );
-                    return Ok(Some(mean_of(fetched, vec![0], refused, 0.0).await?));
+                    return Ok(Some(start_state_of(fetched, vec![0], refused, 0.0).await?));
                 }
                 StateVerdict::Split => {
                     if asked == peers.len() && peers.len() < MAX_STATE_PEERS_ASKED {

@@ -553,7 +553,7 @@ impl Sim {
                 self.push(now + self.config.finish_ms, Event::Finished { node, round })
             }
             Output::Record(record) => self.record(node, &record),
-            Output::Status(_) | Output::Planned { .. } => {}
+            Output::Status(_) => {}
         }
     }
 

@@ -111,7 +111,7 @@ impl RoundWork for SyntheticTrainer {
         })
     }
 
-    fn load_state(&mut self, _round: u64, _state: TensorSet) -> WorkFuture<()> {
+    fn load_state(&mut self, _round: u64, _state: TensorSet, _spread: Vec<f64>) -> WorkFuture<()> {
         Box::pin(async { Ok(()) })
     }
 

@@ -19,7 +19,7 @@ use libp2p::PeerId;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// A call's result, computed off the driver's task.
@@ -34,30 +34,6 @@ pub struct TrainOrder {
     /// (`ALGORITHMS.md` §2). The driver moves it once the round's neighbours are known. An
     /// adaptive trainer fits H_i to it; a fixed-H trainer ignores it.
     pub deadline: TrainDeadline,
-    /// The round's mixing row as planned (every neighbour delivering), set by the driver
-    /// once the round is decided. `overlap = "eager"` takes its own outer step with it when
-    /// it hands the payload off; a round not yet decided then leaves it empty.
-    pub row: PlannedRow,
-}
-
-/// A round's planned mixing row, which the driver sets while the trainer may read it.
-#[derive(Debug, Clone, Default)]
-pub struct PlannedRow(Arc<Mutex<Option<MixingRow>>>);
-
-impl PlannedRow {
-    pub fn set(&self, row: MixingRow) {
-        *self
-            .0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(row);
-    }
-    /// The row, if the round has been decided.
-    pub fn get(&self) -> Option<MixingRow> {
-        self.0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clone()
-    }
 }
 
 /// A deadline in Unix milliseconds that one side may move while the other reads it.
@@ -181,9 +157,11 @@ pub trait RoundWork: Send + Sync {
     }
     /// Mixes this node's model with what arrived and applies the outer step.
     fn finish(&mut self, received: Received) -> WorkFuture<Finished>;
-    /// Replaces the state with one fetched from a live peer (late join); `round` is the
-    /// round it was published for.
-    fn load_state(&mut self, round: u64, state: TensorSet) -> WorkFuture<()>;
+    /// Replaces the state with one fetched from live peers (late join); `round` is the
+    /// round it was published for, `spread` the distances of the sources' anchors from it
+    /// ([`SyncedState::spread`](crate::swarm_node::SyncedState::spread)): where the payload
+    /// gate's window of accepted distances starts.
+    fn load_state(&mut self, round: u64, state: TensorSet, spread: Vec<f64>) -> WorkFuture<()>;
     /// Leaving the swarm: persist what a restart needs (a checkpoint of the last anchor).
     fn close(&mut self) -> WorkFuture<()>;
 }

@@ -229,6 +229,33 @@ async fn replayed_old_round_is_refused() {
     assert_untouched(task).await;
 }
 
+/// A stream for a round whose exchange the receiver ended at its deadline is late, not a
+/// replay: it is refused as `ROUND_CLOSED`, so the sender (and its round record) can tell
+/// the two apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_after_the_round_closed_at_its_deadline_is_refused_as_late() {
+    let s = setup().await;
+    let mut reports = s.service.reports();
+    let task = victim_round(&s, ROUND, vec![s.attacker.client.peer_id()]).await;
+    let results = task.await.unwrap();
+    assert!(
+        matches!(results[0].1, Err(ExchangeError::Deadline(_))),
+        "{:?}",
+        results[0].1
+    );
+    let reply = attack(
+        &s,
+        frame(FRAME_HEADER, &valid_header(&s, ROUND).encode_to_vec()).await,
+    )
+    .await;
+    assert_refused(reply, RefusalReason::RoundClosed);
+    assert!(next_report(&mut reports)
+        .await
+        .outcome
+        .unwrap_err()
+        .contains("has ended on this node"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_header_is_refused_before_it_is_read() {
     let s = setup().await;

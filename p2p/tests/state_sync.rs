@@ -4,7 +4,9 @@ mod common;
 
 use common::*;
 use gasloc_p2p::exchange::{ExchangeError, OutgoingPayload, SendOptions};
+use gasloc_p2p::swarm_node::STATE_ANCHOR_PREFIX;
 use gasloc_p2p::tensors::TensorSet;
+use gasloc_proto::manifest::GateConfig;
 use gasloc_proto::wire::{DType, PayloadKind, RefusalReason};
 use std::sync::Arc;
 use std::time::Duration;
@@ -167,6 +169,20 @@ fn state_of(value: impl Fn(usize) -> f32) -> TensorSet {
     ])
 }
 
+/// What `joiner` syncs under the default gate, for states of `like`'s table; the test
+/// fails when nobody served one.
+async fn sync_default(
+    joiner: &gasloc_p2p::swarm_node::JoinedNode,
+    like: &TensorSet,
+) -> gasloc_p2p::swarm_node::SyncedState {
+    let gate = GateConfig::default();
+    joiner
+        .sync_state(&[], Arc::new(like.specs()), &gate)
+        .await
+        .unwrap()
+        .expect("a state")
+}
+
 fn serve(node: &gasloc_p2p::swarm_node::JoinedNode, round: u64, set: &TensorSet) {
     node.exchange_service().set_state(
         round,
@@ -196,13 +212,7 @@ async fn a_joiner_outvotes_a_poisoned_state_and_starts_from_the_mean_of_the_hone
     serve(&sources[0], 5, &honest_a);
     serve(&sources[1], 5, &poisoned);
     serve(&sources[2], 6, &honest_b);
-    let table = Arc::new(honest_a.specs());
-    let gate = gasloc_proto::manifest::GateConfig::default();
-    let synced = joiner
-        .sync_state(&[], table, &gate)
-        .await
-        .unwrap()
-        .expect("a state");
+    let synced = sync_default(&joiner, &honest_a).await;
     let mut kept = synced.sources.clone();
     kept.sort();
     let mut honest = vec![sources[0].peer_id(), sources[2].peer_id()];
@@ -216,6 +226,45 @@ async fn a_joiner_outvotes_a_poisoned_state_and_starts_from_the_mean_of_the_hone
     assert_eq!(synced.report().sources.len(), 2);
 }
 
+/// Three honest sources as they stand early in a run: two that have mixed only with each
+/// other hold the same anchor, the third, which has mixed with neither, lies about 1.3 of the
+/// norm away (the e2e swarm test's round 3 measured up to about one). None is refused, and
+/// the joiner starts from their coordinate-wise median: the pair's state, every coordinate
+/// within the sources' range.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_honest_sources_a_norm_apart_are_all_kept_and_give_their_median() {
+    let (sources, joiner) = sources_and_joiner(3).await;
+    let pair = state_of(|i| 1.0 + i as f32 * 0.001);
+    let unmixed = state_of(|i| {
+        let step = if i % 2 == 0 { 1.8 } else { -1.8 };
+        1.0 + i as f32 * 0.001 + step
+    });
+    serve(&sources[0], 5, &pair);
+    serve(&sources[1], 5, &pair);
+    serve(&sources[2], 5, &unmixed);
+    let synced = sync_default(&joiner, &pair).await;
+    assert!(synced.refused.is_empty(), "{:?}", synced.refused);
+    assert_eq!(synced.sources.len(), 3);
+    assert!(
+        synced.state == pair,
+        "the median of (pair, pair, unmixed) is the pair's"
+    );
+    // Against the old rule (ρ = 1, the smaller of the two norms) the third was refused.
+    let norm = pair.norm_where(|_| true);
+    let distance = pair.distance_where(&unmixed, |_| true).unwrap();
+    assert!(
+        distance > 1.0 * norm && distance <= GateConfig::default().max_state_disagreement * norm,
+        "{distance} against the norm {norm}"
+    );
+    // The spread the joiner's payload gate starts from: each source's anchor distance from
+    // the median (the pair's 0, the unmixed node's all of it).
+    let anchor = |t: &gasloc_p2p::tensors::Tensor| t.name.starts_with(STATE_ANCHOR_PREFIX);
+    let unmixed_distance = pair.distance_where(&unmixed, anchor).unwrap();
+    let mut spread = synced.spread.clone();
+    spread.sort_by(f64::total_cmp);
+    assert_eq!(spread, [0.0, 0.0, unmixed_distance], "{:?}", synced.spread);
+}
+
 /// The round a source claims becomes the joiner's: one after the swarm's next is refused
 /// like a bad value (a round of `u64::MAX` would overflow the next round's number).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -224,13 +273,7 @@ async fn a_joiner_refuses_a_state_claiming_a_round_the_swarm_has_not_reached() {
     let good = state_of(|i| i as f32 * 0.25);
     serve(&sources[0], u64::MAX, &good);
     serve(&sources[1], 11, &good);
-    let table = Arc::new(good.specs());
-    let gate = gasloc_proto::manifest::GateConfig::default();
-    let synced = joiner
-        .sync_state(&[], table, &gate)
-        .await
-        .unwrap()
-        .expect("the honest state");
+    let synced = sync_default(&joiner, &good).await;
     assert_eq!(synced.sources, vec![sources[1].peer_id()]);
     assert_eq!(synced.round, 11);
     assert_eq!(synced.refused.len(), 1, "{:?}", synced.refused);
@@ -249,7 +292,7 @@ async fn a_joiner_refuses_a_nan_state_and_never_guesses_between_two_that_disagre
     serve(&sources[0], 4, &bad);
     serve(&sources[1], 4, &good);
     let table = Arc::new(good.specs());
-    let gate = gasloc_proto::manifest::GateConfig::default();
+    let gate = GateConfig::default();
     let synced = joiner
         .sync_state(&[], table.clone(), &gate)
         .await

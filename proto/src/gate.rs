@@ -23,7 +23,7 @@
 //! A joining node has no anchor to measure against, so the states it fetches from several
 //! live peers are measured against each other instead ([`judge_against_median`],
 //! [`judge_pair`]): it keeps those within `[gate] max_state_disagreement` of the others and
-//! starts from their mean.
+//! starts from their coordinate-wise median (three or more) or their mean (two).
 
 use crate::manifest::GateConfig;
 use std::collections::VecDeque;
@@ -122,6 +122,46 @@ impl PayloadGate {
         }
     }
 
+    /// A gate whose window starts from `distances` (oldest first; the last
+    /// `median_window` finite, positive ones are kept): the window a restarted node saved in
+    /// its checkpoint, or the distances between the anchors a joiner synced from. Without
+    /// them a node's only reference is its own pseudo-gradient, which after a restart (the
+    /// inner optimizer's moments kept, short steps) is many times shorter than the distance
+    /// to an honest neighbour — whose anchor differs from this node's by the swarm's spread
+    /// (measured in the compose test: own 1.1–1.5 against neighbours at 10–15).
+    pub fn with_accepted(config: GateConfig, distances: impl IntoIterator<Item = f64>) -> Self {
+        let mut gate = PayloadGate::new(config);
+        gate.restart_window(distances);
+        gate
+    }
+
+    /// Replaces the window with `distances` (as [`Self::with_accepted`] keeps them) when any
+    /// of them is kept; otherwise the window stays as it was. Returns whether it changed.
+    pub fn restart_window(&mut self, distances: impl IntoIterator<Item = f64>) -> bool {
+        let kept: VecDeque<f64> = distances
+            .into_iter()
+            .filter(|d| d.is_finite() && *d > 0.0)
+            .collect();
+        if kept.is_empty() {
+            return false;
+        }
+        self.accepted = kept;
+        self.trim();
+        true
+    }
+
+    /// The accepted distances in the window, oldest first (what a checkpoint keeps).
+    pub fn accepted(&self) -> Vec<f64> {
+        self.accepted.iter().copied().collect()
+    }
+
+    fn trim(&mut self) {
+        let window = self.config.median_window.max(1) as usize;
+        while self.accepted.len() > window {
+            self.accepted.pop_front();
+        }
+    }
+
     /// The (lower) median of the accepted distances in the window (`None` before any).
     pub fn accepted_median(&self) -> Option<f64> {
         if self.accepted.is_empty() {
@@ -158,10 +198,7 @@ impl PayloadGate {
                 self.accepted.push_back(stats.distance);
             }
         }
-        let window = self.config.median_window.max(1) as usize;
-        while self.accepted.len() > window {
-            self.accepted.pop_front();
-        }
+        self.trim();
         verdicts
     }
 
@@ -224,13 +261,15 @@ pub enum StateVerdict {
 }
 
 /// Whether two anchors agree: `‖θ_a − θ_b‖ ≤ ρ · min(‖θ_a‖, ‖θ_b‖)`, with
-/// `ρ = [gate] max_state_disagreement`, every number finite. Measured against the *smaller*
-/// norm, a model scaled up lies far away (a tensor × 1000: hundreds of times its norm), and so
-/// do a random direction (√2) and a sign flip (2); honest anchors differ by the swarm's
-/// consensus distance, early in a run with a slow node up to about half their norm. The outer
-/// momenta are not compared: each integrates its own node's pseudo-gradients (a node on a slow
-/// link, taking few inner steps, has a far shorter one); the mean clips them instead
-/// ([`momentum_clip`]).
+/// `ρ = [gate] max_state_disagreement`, every number finite. With two sources there is no
+/// robust reference, so the *smaller* norm is the scale: a model scaled up (a tensor × 1000:
+/// hundreds of norms) or down towards zero lies far away, and so does a sign flip (2). A
+/// random direction of honest norm lies √2 away, inside the default ρ = 1.5: early in a run,
+/// honest nodes that have not yet mixed with each other lie as far apart as that (measured:
+/// up to about one norm at round 3 of the e2e swarm test), so the distance alone cannot tell
+/// them from it. The outer momenta are not compared: each integrates its own node's
+/// pseudo-gradients (a node on a slow link, taking few inner steps, has a far shorter one);
+/// the mean clips them instead ([`momentum_clip`]).
 pub fn states_agree(config: &GateConfig, norm_a: f64, norm_b: f64, distance: f64) -> bool {
     let finite = norm_a.is_finite() && norm_b.is_finite() && distance.is_finite();
     finite && distance <= config.max_state_disagreement * norm_a.min(norm_b)
@@ -248,19 +287,23 @@ pub fn judge_pair(config: &GateConfig, norms: [f64; 2], distance: f64) -> StateV
     }
 }
 
-/// Three sources or more, measured against their coordinate-wise median anchor (which lies
-/// between the honest values in every coordinate while most sources are honest): `norms[i]`
-/// is `‖θ_i‖`, `median_norm` the median's and `to_median[i]` is `‖θ_i − θ_median‖`. The
-/// sources that agree with the median ([`states_agree`]) are kept when they are at least two;
-/// the others are outvoted.
+/// Three sources or more, measured against their coordinate-wise median anchor, which lies
+/// between the honest values in every coordinate while most sources are honest, so both the
+/// place and the scale are the median's: `to_median[i] = ‖θ_i − θ_median‖` must be at most
+/// `ρ · ‖θ_median‖` (`median_norm`), every number finite. A scaled state lies hundreds of
+/// norms away, a sign flip 2; an honest slow node's anchor, shorter than the others, is not
+/// held to its own smaller norm. The joiner then starts from the median of the sources kept,
+/// so one that passes — a random direction (√2), a state near zero (1) — moves no
+/// coordinate outside the honest sources' range. The sources kept are those within the bound
+/// when they are at least two; the others are outvoted.
 pub fn judge_against_median(
     config: &GateConfig,
-    norms: &[f64],
     median_norm: f64,
     to_median: &[f64],
 ) -> StateVerdict {
-    let (kept, outvoted): (Vec<usize>, Vec<usize>) =
-        (0..norms.len()).partition(|&i| states_agree(config, norms[i], median_norm, to_median[i]));
+    let bound = config.max_state_disagreement * median_norm;
+    let (kept, outvoted): (Vec<usize>, Vec<usize>) = (0..to_median.len())
+        .partition(|&i| bound.is_finite() && to_median[i].is_finite() && to_median[i] <= bound);
     if kept.len() >= 2 {
         StateVerdict::Agreed { kept, outvoted }
     } else {
@@ -352,6 +395,49 @@ mod tests {
         assert!(verdicts.iter().all(Result::is_ok), "{verdicts:?}");
     }
 
+    /// The compose test's restarted node, in numbers: its own pseudo-gradient 1.1 while its
+    /// neighbours' models lay 12–15 away (the swarm's spread). With an empty window it
+    /// refused them all; with the window its checkpoint kept it accepts them, and the
+    /// window survives the trip through `accepted` / `with_accepted` whole and bounded.
+    #[test]
+    fn a_restarted_node_with_its_saved_window_accepts_the_neighbours_it_accepted_before() {
+        let mut before = gate();
+        for d in [9.0, 10.8, 12.8, 6.7, 13.6, 7.8, 6.0, 16.0, 6.9, 10.2] {
+            assert!(before.judge_round(1.3, &[at(d)])[0].is_ok());
+        }
+        let fresh = gate().judge_round(1.1, &[at(12.1)]).remove(0);
+        assert!(matches!(fresh, Err(Refusal::TooFar { .. })), "{fresh:?}");
+
+        let mut restarted = PayloadGate::with_accepted(GateConfig::default(), before.accepted());
+        assert_eq!(restarted.accepted(), before.accepted());
+        let verdicts = restarted.judge_round(1.1, &[at(12.1), at(15.2), at(15.5)]);
+        assert!(verdicts.iter().all(Result::is_ok), "{verdicts:?}");
+        // A scaled model is refused as before.
+        let scaled = restarted.judge_round(1.1, &[at(1e4)]).remove(0);
+        assert!(matches!(scaled, Err(Refusal::TooFar { .. })), "{scaled:?}");
+
+        let config = GateConfig {
+            median_window: 3,
+            ..GateConfig::default()
+        };
+        let seeded = PayloadGate::with_accepted(config, [f64::NAN, 1.0, -2.0, 0.0, 2.0, 3.0, 4.0]);
+        assert_eq!(
+            seeded.accepted(),
+            [2.0, 3.0, 4.0],
+            "finite, positive, the newest"
+        );
+    }
+
+    /// A joiner whose sources were identical (no distance among them) keeps the window it had.
+    #[test]
+    fn a_window_restarted_from_no_distance_stays_as_it_was() {
+        let mut g = PayloadGate::with_accepted(GateConfig::default(), [4.0, 5.0]);
+        assert!(!g.restart_window([0.0, 0.0, f64::NAN]));
+        assert_eq!(g.accepted(), [4.0, 5.0]);
+        assert!(g.restart_window([0.0, 7.0]));
+        assert_eq!(g.accepted(), [7.0]);
+    }
+
     #[test]
     fn with_no_reference_yet_only_finiteness_and_the_cosine_are_checked() {
         let mut g = gate();
@@ -417,8 +503,7 @@ mod tests {
         let config = GateConfig::default();
         // Sources 0 and 2 honest, source 1 with a tensor × 1000: the median lies between
         // the honest ones.
-        let verdict =
-            judge_against_median(&config, &[10.0, 9000.0, 10.1], 10.0, &[0.1, 8990.0, 0.1]);
+        let verdict = judge_against_median(&config, 10.0, &[0.1, 8990.0, 0.1]);
         assert_eq!(
             verdict,
             StateVerdict::Agreed {
@@ -426,14 +511,22 @@ mod tests {
                 outvoted: vec![1]
             }
         );
-        // A state of honest norm in a random direction lies √2 of the norm away.
-        let verdict = judge_against_median(&config, &[10.0; 3], 10.0, &[0.1, 14.1, 0.1]);
+        // A sign flip lies twice the norm away.
+        let verdict = judge_against_median(&config, 10.0, &[0.1, 20.0, 0.1]);
         assert!(matches!(verdict, StateVerdict::Agreed { ref outvoted, .. } if outvoted == &[1]));
-        // A slow node's anchor, lagging by half its norm, is kept.
-        let verdict = judge_against_median(&config, &[10.0, 8.0, 10.0], 10.0, &[0.5, 4.5, 0.2]);
+        // An honest node that has not mixed with the two others yet, a norm away, is kept
+        // (the e2e swarm test's round 3), and so is a slow node's anchor, shorter than the
+        // others (against its own norm it would lie beyond the bound).
+        let verdict = judge_against_median(&config, 55.0, &[0.0, 60.0, 0.0]);
         assert!(matches!(verdict, StateVerdict::Agreed { ref kept, .. } if kept.len() == 3));
-        // Fewer than two near the median: no verdict.
-        let verdict = judge_against_median(&config, &[10.0; 3], 10.0, &[20.0, 0.0, 20.0]);
+        let verdict = judge_against_median(&config, 10.0, &[0.5, 9.0, 0.2]);
+        assert!(matches!(verdict, StateVerdict::Agreed { ref kept, .. } if kept.len() == 3));
+        // Fewer than two near the median, or no finite median: no verdict.
+        let verdict = judge_against_median(&config, 10.0, &[20.0, 0.0, 20.0]);
+        assert_eq!(verdict, StateVerdict::Split);
+        let verdict = judge_against_median(&config, f64::INFINITY, &[0.0, 0.0, 0.0]);
+        assert_eq!(verdict, StateVerdict::Split);
+        let verdict = judge_against_median(&config, 10.0, &[f64::NAN, 0.0, f64::NAN]);
         assert_eq!(verdict, StateVerdict::Split);
     }
 
@@ -444,6 +537,18 @@ mod tests {
             judge_pair(&config, [10.0, 9.0], 4.0),
             StateVerdict::Agreed { .. }
         ));
+        assert!(
+            matches!(
+                judge_pair(&config, [55.0, 56.0], 60.0),
+                StateVerdict::Agreed { .. }
+            ),
+            "two honest nodes that have not mixed yet, a norm apart"
+        );
+        assert_eq!(
+            judge_pair(&config, [10.0, 0.01], 9.99),
+            StateVerdict::Split,
+            "a state near zero"
+        );
         assert_eq!(
             judge_pair(&config, [10.0, 10.0], 20.0),
             StateVerdict::Split,

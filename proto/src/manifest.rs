@@ -321,9 +321,10 @@ pub struct GateConfig {
     #[serde(default = "default_min_cosine")]
     pub min_cosine: f64,
     /// ρ: two states a joiner fetched agree when their anchors lie within
-    /// `‖θ_a − θ_b‖ ≤ ρ · min(‖θ_a‖, ‖θ_b‖)` (with three sources or more, each is measured
-    /// against their coordinate-wise median). A joiner starts from the mean of the sources
-    /// that agree (each outer momentum clipped to their median norm).
+    /// `‖θ_a − θ_b‖ ≤ ρ · min(‖θ_a‖, ‖θ_b‖)`; with three sources or more, each must lie within
+    /// `ρ · ‖θ_median‖` of their coordinate-wise median. A joiner starts from the median of the
+    /// sources that agree (three or more) or their mean (two, each outer momentum clipped to
+    /// their median norm). See `gate::states_agree` for why 1.5.
     #[serde(default = "default_max_state_disagreement")]
     pub max_state_disagreement: f64,
     /// A peer is banned for the rest of the run after this many offences (a refused
@@ -358,7 +359,7 @@ fn default_min_cosine() -> f64 {
     -1.0
 }
 fn default_max_state_disagreement() -> f64 {
-    1.0
+    1.5
 }
 fn default_ban_after_offences() -> u32 {
     3

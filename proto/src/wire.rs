@@ -147,6 +147,9 @@ pub enum RefusalReason {
     TooLarge = 6,
     Busy = 7,
     NoState = 8,
+    /// The round's exchange had ended on the receiver's side (its deadline passed) before
+    /// the stream arrived: the sender is late, not replaying.
+    RoundClosed = 9,
 }
 
 /// Sent instead of a header when the receiver will not take part.

@@ -108,6 +108,18 @@ impl Proc {
         lines[lines.len().saturating_sub(30)..].join("\n")
     }
 
+    /// The stderr lines that contain `needle`, without terminal colour codes (so that
+    /// [`field`] reads their `key=value` pairs), one per line.
+    pub fn stderr_lines_with(&self, needle: &str) -> String {
+        let text = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        let lines: Vec<String> = text
+            .lines()
+            .filter(|l| l.contains(needle))
+            .map(without_colour)
+            .collect();
+        lines.join("\n")
+    }
+
     /// Waits (bounded) until a stdout line starts with `prefix`; returns that line.
     pub fn wait_for_line(&mut self, prefix: &str, bound: Duration) -> String {
         self.wait_for_text(
@@ -226,6 +238,20 @@ impl Drop for Proc {
 pub fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     line.split_whitespace()
         .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+}
+
+/// `line` without its terminal colour codes (`ESC [ … m`, as tracing writes them).
+fn without_colour(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            chars.by_ref().find(|&c| c == 'm');
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// `gasloc-bootstrap` for `manifest` on loopback (QUIC and TCP), writing its addresses to
@@ -604,4 +630,15 @@ pub fn gate_margins(records: &[serde_json::Value]) -> (f64, f64, usize) {
         }
     }
     (ratio, cosine, n)
+}
+
+/// ln(256): the loss of a uniform guess over byte tokens (where an untrained model starts).
+pub const UNIFORM_LOSS: f64 = 5.545;
+
+/// The validation losses of a node's round records (`read_report`), in round order.
+pub fn val_losses(records: &[serde_json::Value]) -> Vec<f64> {
+    records
+        .iter()
+        .filter_map(|r| r["val_loss"].as_f64())
+        .collect()
 }

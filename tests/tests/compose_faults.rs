@@ -421,6 +421,17 @@ fn a_compose_swarm_trains_through_kills_a_cut_link_a_rolling_restart_and_a_lost_
                     && swarm.exchanged_after(node, before + 1)
             },
         );
+        // It judges its neighbours' models against the window of distances it had
+        // accepted before (its checkpoint keeps it), not its own short pseudo-gradient only.
+        let logs = swarm.logs(node);
+        let resumed = logs
+            .lines()
+            .rfind(|l| l.starts_with("start=resumed"))
+            .expect("a restarted node resumes");
+        let window: usize = gasloc_tests::field(resumed, "gate_window")
+            .and_then(|w| w.parse().ok())
+            .unwrap_or(0);
+        assert!(window >= 1, "{node}: {resumed}");
     }
     let rolling_to = nodes
         .iter()
@@ -512,6 +523,19 @@ fn a_compose_swarm_trains_through_kills_a_cut_link_a_rolling_restart_and_a_lost_
                 waited <= EXCHANGE_TIMEOUT_S + 1.0,
                 "{name} waited {waited:.2} s in round {}: {r}",
                 r["round"]
+            );
+        }
+    }
+    // Every node is honest: none refused another's model, so none banned another (with an
+    // empty window after a restart, a node measured its neighbours against its own short
+    // pseudo-gradient, refused them as too far and banned one: `gasloc_proto::gate`).
+    for (name, records) in &reports {
+        for r in records {
+            assert!(
+                r["refused"].as_array().is_none_or(|a| a.is_empty()),
+                "{name} refused an honest node in round {}: {}",
+                r["round"],
+                r["refused"]
             );
         }
     }

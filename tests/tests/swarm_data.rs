@@ -513,9 +513,11 @@ fn a_joiner_trains_on_its_first_shard_while_the_rest_arrive() {
     joiner.expect_success(Duration::from_secs(60));
     let losses = val_losses(&home);
     let best = losses.iter().cloned().fold(f64::INFINITY, f64::min);
+    // On failure: what the joiner printed (its start, state sync and one line per round).
+    let out = joiner.output();
     assert!(
         losses.len() >= 4 && losses.iter().all(|&l| l < 2.5),
-        "the joiner trains: {losses:?}"
+        "the joiner trains: {losses:?}\n{out}"
     );
     // A joiner that synced its partner's state starts where the swarm is (near the floor of
     // the memorised test text when the partner had trained a few rounds): it keeps that
@@ -524,12 +526,12 @@ fn a_joiner_trains_on_its_first_shard_while_the_rest_arrive() {
         let (first, last) = (losses[0], *losses.last().unwrap());
         assert!(
             last <= first + 0.1,
-            "the joiner lost the synced state's level: {losses:?}"
+            "the joiner lost the synced state's level: {losses:?}\n{out}"
         );
     } else {
         assert!(
             best < losses[0],
-            "the joiner's validation loss falls: {losses:?}"
+            "the joiner's validation loss falls: {losses:?}\n{out}"
         );
     }
 }

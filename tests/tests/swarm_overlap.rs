@@ -15,7 +15,7 @@
 //! validation loss falls.
 
 use gasloc_tests::{
-    field, join_command, read_report, start_join, start_training_swarm, Proc, TestDir,
+    field, join_command, read_report, start_join, start_training_swarm, val_losses, Proc, TestDir,
     ADAPTIVE_ONE_PEER,
 };
 use serde_json::Value;
@@ -24,13 +24,6 @@ use std::time::Duration;
 fn mean_of(records: &[Value], key: &str) -> f64 {
     let values: Vec<f64> = records.iter().filter_map(|r| r[key].as_f64()).collect();
     values.iter().sum::<f64>() / values.len().max(1) as f64
-}
-
-fn val_losses(records: &[Value]) -> Vec<f64> {
-    records
-        .iter()
-        .filter_map(|r| r["val_loss"].as_f64())
-        .collect()
 }
 
 /// Asserts that no exchange between two of `steady` (nodes never stopped) was refused as

@@ -12,23 +12,13 @@
 //! mean is within a stated margin of one node trained alone for as many steps.
 
 use gasloc_tests::{
-    built_binary, field, join_command, read_report, start_join, start_training_swarm, Proc,
-    ADAPTIVE_ONE_PEER,
+    built_binary, field, join_command, read_report, start_join, start_training_swarm, val_losses,
+    Proc, ADAPTIVE_ONE_PEER, UNIFORM_LOSS,
 };
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
-
-/// ln(256): the loss of a uniform guess over byte tokens (where an untrained model starts).
-const UNIFORM_LOSS: f64 = 5.545;
-
-fn val_losses(records: &[Value]) -> Vec<f64> {
-    records
-        .iter()
-        .filter_map(|r| r["val_loss"].as_f64())
-        .collect()
-}
 
 fn rounds_of(records: &[Value]) -> Vec<u64> {
     records
@@ -79,11 +69,23 @@ fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
     let synced_round: u64 = field(&synced, "round").unwrap().parse().unwrap();
     assert!(synced_round >= 1, "{synced}");
     eprintln!("{synced}");
-    // Three live sources (node 4 is away): their states, a little apart as one-peer
-    // anchors are, agree, and none is refused.
+    // Three live sources (node 4 is away): their states, apart as one-peer anchors are
+    // early in a run (two that have mixed only with each other against one that has mixed
+    // with neither: about one norm), agree, and none is refused.
     let sources: usize = field(&synced, "sources").unwrap().parse().unwrap();
-    assert!(sources >= 2, "cross-checked: {synced}");
-    assert_eq!(field(&synced, "refused"), Some(""), "{synced}");
+    let measured = late.stderr_lines_with("state sync:");
+    assert!(sources >= 2, "cross-checked: {synced}\n{measured}");
+    assert_eq!(field(&synced, "refused"), Some(""), "{synced}\n{measured}");
+    // Its payload gate starts from the sources' spread (their anchors' distances from the
+    // state it starts from), not from its own first pseudo-gradient alone.
+    let apart: f64 = field(&synced, "disagreement").unwrap().parse().unwrap();
+    let loaded = "state synced: training from the swarm's anchor";
+    late.wait_for_log(loaded, long);
+    let loaded = late.stderr_lines_with(loaded);
+    let reference: f64 = field(&loaded, "gate_reference")
+        .and_then(|r| r.parse().ok())
+        .unwrap_or_else(|| panic!("{loaded}"));
+    assert!(apart == 0.0 || reference > 0.0, "{synced}\n{loaded}");
 
     // Others keep completing rounds meanwhile.
     std::thread::sleep(Duration::from_secs(8));

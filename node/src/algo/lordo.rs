@@ -301,12 +301,15 @@ impl Lordo {
 
     /// Replaces each projected matrix's basis by the top-r singular vectors of its entry in
     /// `aggregated` (the round's mixed pseudo-gradient, in `names` order) and rotates its
-    /// moments into the new basis.
-    pub fn refresh_basis(&mut self, names: &[String], aggregated: &[Tensor]) {
+    /// moments into the new basis. Returns the mean [`basis_similarity`] of the new bases to
+    /// the old (1 when nothing moved or nothing is projected), which the authors' code logs
+    /// at every refresh.
+    pub fn refresh_basis(&mut self, names: &[String], aggregated: &[Tensor]) -> f64 {
         let _guard = tch::no_grad_guard();
         let (bias1, bias2_sqrt) =
             bias_corrections(&self.config, (self.steps - self.moments_since).max(1));
         let bias2 = bias2_sqrt * bias2_sqrt;
+        let mut similarity = Vec::with_capacity(self.projected.len());
         for s in &mut self.projected {
             let Some(k) = names.iter().position(|n| *n == s.name) else {
                 continue;
@@ -324,7 +327,13 @@ impl Lordo {
             );
             s.exp_avg = u;
             s.exp_avg_sq = v;
+            similarity.push(basis_similarity(&s.basis, &new_basis));
             s.basis = new_basis;
+        }
+        if similarity.is_empty() {
+            1.0
+        } else {
+            similarity.iter().sum::<f64>() / similarity.len() as f64
         }
     }
 

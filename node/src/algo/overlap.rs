@@ -16,22 +16,24 @@
 //!   lost. When the exchange ends before the first inner step of round t+1, `x = x_t` and the
 //!   carry gives `θ_{t+1}` bit for bit: a blocking round.
 //! * **`eager`** (the idea of arXiv 2502.12996, adapted to gossip): at the hand-off the worker
-//!   takes its outer step at once with its own fresh term, `θ' = OuterStep(θ_t, w_ii (θ_t −
-//!   x_t))` ([`own_term`]), and round t+1 trains from `θ'`. When the exchange ends, the
-//!   neighbours' terms `L_t = Σ_{j≠i} w'_ij (θ_t − x_t^j) + (w'_ii − w_ii)(θ_t − x_t)` (the row
-//!   as applied: a neighbour that sent nothing usable returns its weight to self;
-//!   [`late_term`]) are added to that same outer step ([`OuterOptimizer::add_to_last_step`]:
-//!   the step is affine in its pseudo-gradient, so the two parts give the blocking round's
-//!   anchor and momentum up to rounding), and the progress since is carried onto it. With no
+//!   takes the whole outer step at once with its own fresh pseudo-gradient standing in for
+//!   every neighbour's, `θ' = OuterStep(θ_t, θ_t − x_t)` ([`own_term`]), and round t+1 trains
+//!   from `θ'`. When the exchange ends, the difference the neighbours make,
+//!   `L_t = Σ_{j≠i} w'_ij (x_t − x_t^j)` (the row as applied: a neighbour that sent nothing
+//!   usable has returned its weight to self and is not in the sum; [`late_term`]), is added
+//!   to that same outer step ([`OuterOptimizer::add_to_last_step`]). The two parts sum to the
+//!   blocking round's pseudo-gradient exactly, because the row's weights sum to one:
+//!   `(θ_t − x_t) + Σ_{j≠i} w'_ij (x_t − x_t^j) = Σ_j w'_ij (θ_t − x_t^j) = Δ_t`; the step is
+//!   affine in its pseudo-gradient, so the anchor and momentum are the blocking round's up to
+//!   rounding, and the progress made since the hand-off is carried onto them. With no
 //!   neighbour `L = 0`: a blocking round bit for bit.
 //!
 //!   The paper applies the others' terms of round t−1 inside round t's step; in gossip a
-//!   neighbour's term `θ_i − x_j` also carries the disagreement `θ_i − θ_j`, so it is added as
-//!   soon as it arrives (`docs/algorithms.md`, "Overlapped rounds").
-//!
-//!   Eager's own step needs the round's row (its self weight). A networked node whose round
-//!   was not decided by the time its inner steps end hands off without one: that round's
-//!   outer step is then taken whole when the exchange ends, as `delayed` takes it.
+//!   neighbour's term also carries the disagreement `θ_i − θ_j`, so it is added as soon as it
+//!   arrives. The own step needs nothing from the round's mixing row, so it is taken whether
+//!   or not the round was decided when the inner steps ended (`docs/algorithms.md`,
+//!   "Overlapped rounds", which also gives the measurements against the earlier rule that
+//!   stepped with the self weight `w_ii (θ_t − x_t)` alone).
 //!
 //! A pending exchange that will never be applied (the node stops with one in flight) is
 //! dropped with [`OverlappedOuter::drop_pending`], which takes eager's own step back: the
@@ -62,57 +64,39 @@ pub fn carry_progress(
         .collect()
 }
 
-/// The worker's own term of its row, `count_i·(θ − x_i) / denominator`, tensor by tensor
-/// (eager's part applied at once).
-pub fn own_term(row: &MixingRow, anchor: &[Tensor], own: &[Tensor]) -> Vec<Tensor> {
+/// Eager's part applied at once: the worker's own pseudo-gradient `θ − x_i`, tensor by tensor,
+/// standing in for the whole mix.
+pub fn own_term(anchor: &[Tensor], own: &[Tensor]) -> Vec<Tensor> {
     let _guard = tch::no_grad_guard();
-    let count = self_count(row);
-    anchor
-        .iter()
-        .zip(own)
-        .map(|(theta, x)| {
-            let d = theta - x;
-            let d = if count == 1 { d } else { d * count as f64 };
-            sum_then_divide(std::iter::once(d), row.denominator)
-        })
-        .collect()
+    anchor.iter().zip(own).map(|(theta, x)| theta - x).collect()
 }
 
-/// Eager's part added when the exchange ends: the terms of `applied` (the row after the exchange, a
-/// neighbour that sent nothing usable dropped and its weight returned to self) that
-/// `nominal`'s own term did not already apply: every neighbour's, plus self's returned weight.
-/// `None` when there is none (no neighbour). `model(j)` gives worker j's received local
-/// model, the worker's own included.
+/// Eager's part added when the exchange ends: `Σ_{j≠i} w_ij (x_i − x_j)` over the neighbours
+/// of `applied` (the row after the exchange, a neighbour that sent nothing usable dropped and
+/// its weight returned to self), the difference between the blocking round's mix and the own
+/// pseudo-gradient [`own_term`] already applied. `None` when there is no neighbour. `own` is
+/// the worker's handed-off model `x_i`, `received(j)` neighbour j's decoded local model.
 pub fn late_term<'a>(
-    nominal: &MixingRow,
     applied: &MixingRow,
-    anchor: &[Tensor],
-    model: impl Fn(usize) -> &'a [Tensor],
+    own: &[Tensor],
+    received: impl Fn(usize) -> &'a [Tensor],
 ) -> Option<Vec<Tensor>> {
-    let already = self_count(nominal);
     let terms: Vec<(usize, u32)> = applied
         .terms
         .iter()
-        .filter_map(|&(j, c)| {
-            let c = if j == applied.worker {
-                c.saturating_sub(already)
-            } else {
-                c
-            };
-            (c > 0).then_some((j, c))
-        })
+        .copied()
+        .filter(|&(j, c)| j != applied.worker && c > 0)
         .collect();
     if terms.is_empty() {
         return None;
     }
     let _guard = tch::no_grad_guard();
     Some(
-        anchor
-            .iter()
+        own.iter()
             .enumerate()
-            .map(|(p, theta)| {
+            .map(|(p, x_i)| {
                 let summands = terms.iter().map(|&(j, count)| {
-                    let d = theta - &model(j)[p];
+                    let d = x_i - &received(j)[p];
                     if count == 1 {
                         d
                     } else {
@@ -125,13 +109,6 @@ pub fn late_term<'a>(
     )
 }
 
-fn self_count(row: &MixingRow) -> u32 {
-    row.terms
-        .iter()
-        .find(|t| t.0 == row.worker)
-        .map_or(0, |t| t.1)
-}
-
 /// The round whose exchange is under way.
 struct Pending {
     round: u64,
@@ -141,20 +118,11 @@ struct Pending {
     /// round trains on from; eager's next round trains from the anchor after its own step,
     /// which the anchor still is when the exchange is applied).
     handed_off: Vec<Tensor>,
-    /// Eager's own step, when it took one at the hand-off; `None` when no step was taken
-    /// then (delayed, or eager without the row).
-    own_step: Option<OwnStep>,
+    /// Eager's own step at the hand-off: the outer optimizer as it was before it (to take
+    /// the step back when the exchange is dropped). `None` with delayed, which takes none.
+    outer_before_own_step: Option<OuterOptimizer>,
     /// What the exchange gave, once it arrived: `Δ_t` (delayed) or `L_t` (eager).
     arrived: Option<Option<Vec<Tensor>>>,
-}
-
-/// Eager's own outer step at the hand-off.
-struct OwnStep {
-    /// Round t's row as planned (the step used its self weight).
-    nominal: MixingRow,
-    /// The outer optimizer as it was before the step (to take it back when the exchange is
-    /// dropped).
-    outer_before: OuterOptimizer,
 }
 
 /// One worker's outer step when rounds overlap: its pending exchange. The anchor and the
@@ -218,15 +186,12 @@ impl OverlappedOuter {
         self.pending.as_ref().map(|p| &p.handed_off[..])
     }
 
-    /// Round `round`'s inner steps ended with `local` (`x_t`), handed to the exchange with the
-    /// planned row `nominal` when it is known. Eager takes its own outer step here with the
-    /// row's self weight and returns the new anchor as the local model; without the row it
-    /// changes nothing, like delayed (which never needs one), and the whole step waits for
-    /// the exchange.
+    /// Round `round`'s inner steps ended with `local` (`x_t`), handed to the exchange. Eager
+    /// takes its own outer step here and returns the new anchor as the local model; delayed
+    /// changes nothing, and the whole step waits for the exchange.
     pub fn hand_off(
         &mut self,
         round: u64,
-        nominal: Option<&MixingRow>,
         anchor: &mut [Tensor],
         outer: &mut OuterOptimizer,
         local: &[Tensor],
@@ -239,24 +204,20 @@ impl OverlappedOuter {
         }
         let handed_off = copies(local);
         let theta = copies(anchor);
-        let (own_step, changed) = match (self.mode, nominal) {
-            (Overlap::None, _) => return Err(OverlapError::NotOverlapped),
-            (Overlap::Eager, Some(row)) => {
-                let outer_before = outer.snapshot();
-                outer.step(anchor, &own_term(row, anchor, &handed_off));
-                let step = OwnStep {
-                    nominal: row.clone(),
-                    outer_before,
-                };
-                (Some(step), LocalModel::Replace(copies(anchor)))
+        let (outer_before_own_step, changed) = match self.mode {
+            Overlap::None => return Err(OverlapError::NotOverlapped),
+            Overlap::Eager => {
+                let before = outer.snapshot();
+                outer.step(anchor, &own_term(anchor, &handed_off));
+                (Some(before), LocalModel::Replace(copies(anchor)))
             }
-            (Overlap::Delayed | Overlap::Eager, _) => (None, LocalModel::Unchanged),
+            Overlap::Delayed => (None, LocalModel::Unchanged),
         };
         self.pending = Some(Pending {
             round,
             anchor: theta,
             handed_off,
-            own_step,
+            outer_before_own_step,
             arrived: None,
         });
         Ok(changed)
@@ -277,26 +238,27 @@ impl OverlappedOuter {
             .as_mut()
             .filter(|p| p.round == round)
             .ok_or(OverlapError::NotPending(round))?;
-        let own = applied.worker;
         let (theta, handed) = (&p.anchor, &p.handed_off);
-        let model = |j: usize| -> &[Tensor] {
-            if j == own {
-                handed
-            } else {
-                received(j)
+        let gives = match &p.outer_before_own_step {
+            None => {
+                let own = applied.worker;
+                let model = |j: usize| -> &[Tensor] {
+                    if j == own {
+                        handed
+                    } else {
+                        received(j)
+                    }
+                };
+                Some(mixed_pseudo_gradient(applied, theta, model))
             }
-        };
-        let gives = match &p.own_step {
-            None => Some(mixed_pseudo_gradient(applied, theta, model)),
-            Some(own) => late_term(&own.nominal, applied, theta, model),
+            Some(_) => late_term(applied, handed, received),
         };
         p.arrived = Some(gives);
         Ok(())
     }
 
     /// Takes the arrived exchange into the worker: delayed steps the anchor with `Δ_t`, eager
-    /// adds `L_t` to its own step (or, without one, steps with `Δ_t` as delayed does); either
-    /// carries `local`'s progress onto the new anchor (the returned local model).
+    /// adds `L_t` to its own step; either carries `local`'s progress onto the new anchor (the returned local model).
     pub fn apply(
         &mut self,
         anchor: &mut [Tensor],
@@ -316,7 +278,7 @@ impl OverlappedOuter {
             return Ok(LocalModel::Unchanged);
         };
         // The progress carried is the local model less what the next round trained from.
-        let carried = match p.own_step {
+        let carried = match p.outer_before_own_step {
             None => {
                 outer.step(anchor, &gives);
                 carry_progress(local, &p.handed_off, anchor)
@@ -343,7 +305,7 @@ impl OverlappedOuter {
         let Some(p) = &self.pending else {
             return Ok(settled);
         };
-        match (&p.arrived, &p.own_step) {
+        match (&p.arrived, &p.outer_before_own_step) {
             (None, _) => return Err(OverlapError::NotArrived(p.round)),
             (Some(None), _) => {}
             (Some(Some(delta)), None) => outer.step(&mut settled, delta),
@@ -361,12 +323,12 @@ impl OverlappedOuter {
         outer: &mut OuterOptimizer,
     ) -> Option<u64> {
         let p = self.pending.take()?;
-        if let Some(own) = p.own_step {
+        if let Some(before) = p.outer_before_own_step {
             let _guard = tch::no_grad_guard();
             for (a, theta) in anchor.iter_mut().zip(&p.anchor) {
                 a.copy_(theta);
             }
-            *outer = own.outer_before;
+            *outer = before;
         }
         Some(p.round)
     }
@@ -425,7 +387,7 @@ mod tests {
             blocking(&row, &mut a_block, &mut o_block, &models);
             let handed = &models[0];
             let kept = overlap
-                .hand_off(round, None, &mut a_over, &mut o_over, handed)
+                .hand_off(round, &mut a_over, &mut o_over, handed)
                 .unwrap();
             assert!(matches!(kept, LocalModel::Unchanged));
             overlap.arrived(round, &row, |j| &models[j]).unwrap();
@@ -454,7 +416,7 @@ mod tests {
         let mut overlap = OverlappedOuter::new(Overlap::Delayed).unwrap();
         let row = MixingRow::uniform(0, &[1]);
         overlap
-            .hand_off(7, Some(&row), &mut anchor, &mut outer, &handed)
+            .hand_off(7, &mut anchor, &mut outer, &handed)
             .unwrap();
         let neighbour = model(3);
         overlap.arrived(7, &row, |_| &neighbour).unwrap();
@@ -498,7 +460,7 @@ mod tests {
             let round_anchor = copies(&a_over);
             blocking(&applied, &mut a_block, &mut o_block, &models);
             let LocalModel::Replace(trains_from) = overlap
-                .hand_off(round, Some(&nominal), &mut a_over, &mut o_over, &models[0])
+                .hand_off(round, &mut a_over, &mut o_over, &models[0])
                 .unwrap()
             else {
                 panic!("eager replaces the local model");
@@ -560,7 +522,7 @@ mod tests {
         for round in 0..3 {
             blocking(&alone, &mut a_block, &mut o_block, &models);
             overlap
-                .hand_off(round, Some(&alone), &mut a_over, &mut o_over, &models[0])
+                .hand_off(round, &mut a_over, &mut o_over, &models[0])
                 .unwrap();
             overlap.arrived(round, &alone, |j| &models[j]).unwrap();
             overlap.apply(&mut a_over, &mut o_over, &models[0]).unwrap();
@@ -569,34 +531,28 @@ mod tests {
     }
 
     #[test]
-    fn eager_handed_off_without_its_row_takes_the_whole_step_as_delayed_does() {
+    fn eager_hands_off_with_the_whole_outer_step_on_its_own_pseudo_gradient() {
+        // The own step stands the worker's pseudo-gradient in for the whole mix: the anchor
+        // after the hand-off is one outer step with θ − x, whatever the round's row will be.
         let config = outer_config();
         let start = model(1);
-        let models = [model(2), model(3)];
-        let row = MixingRow::uniform(0, &[1]);
-        let local: Vec<Tensor> = models[0].iter().zip(model(5)).map(|(h, p)| h + p).collect();
-        let mut anchors = Vec::new();
-        for mode in [Overlap::Delayed, Overlap::Eager] {
-            let mut anchor = copies(&start);
-            let mut outer = OuterOptimizer::new(&config, &start);
-            let mut overlap = OverlappedOuter::new(mode).unwrap();
-            let kept = overlap
-                .hand_off(4, None, &mut anchor, &mut outer, &models[0])
-                .unwrap();
-            assert!(matches!(kept, LocalModel::Unchanged), "{mode:?}");
-            assert!(same(&anchor, &start), "{mode:?}: no step at the hand-off");
-            overlap.arrived(4, &row, |j| &models[j]).unwrap();
-            let settled = overlap.settled_anchor(&anchor, &outer).unwrap();
-            let LocalModel::Replace(carried) =
-                overlap.apply(&mut anchor, &mut outer, &local).unwrap()
-            else {
-                panic!("{mode:?}: the step moves the anchor");
-            };
-            assert!(same(&settled, &anchor), "{mode:?}");
-            anchors.push((anchor, carried, outer.snapshot()));
-        }
-        let ((a_d, c_d, o_d), (a_e, c_e, o_e)) = (&anchors[0], &anchors[1]);
-        assert!(same(a_d, a_e) && same(c_d, c_e) && same(o_d.momentum(), o_e.momentum()));
+        let handed = model(2);
+        let mut expected = copies(&start);
+        let mut o_expected = OuterOptimizer::new(&config, &start);
+        let delta: Vec<Tensor> = start.iter().zip(&handed).map(|(a, x)| a - x).collect();
+        o_expected.step(&mut expected, &delta);
+        let mut anchor = copies(&start);
+        let mut outer = OuterOptimizer::new(&config, &start);
+        let mut overlap = OverlappedOuter::new(Overlap::Eager).unwrap();
+        let LocalModel::Replace(trains_from) = overlap
+            .hand_off(4, &mut anchor, &mut outer, &handed)
+            .unwrap()
+        else {
+            panic!("eager replaces the local model");
+        };
+        assert!(same(&anchor, &expected) && same(&trains_from, &expected));
+        assert!(same(outer.momentum(), o_expected.momentum()));
+        assert!(same(overlap.pending_anchor().unwrap(), &start));
     }
 
     #[test]
@@ -611,13 +567,13 @@ mod tests {
             // A round first, so that the momentum is not zero.
             let mut overlap = OverlappedOuter::new(mode).unwrap();
             overlap
-                .hand_off(0, Some(&row), &mut anchor, &mut outer, &model(2))
+                .hand_off(0, &mut anchor, &mut outer, &model(2))
                 .unwrap();
             overlap.arrived(0, &row, |_| &start).unwrap();
             overlap.apply(&mut anchor, &mut outer, &model(2)).unwrap();
             let (anchor_before, outer_before) = (copies(&anchor), outer.snapshot());
             overlap
-                .hand_off(1, Some(&row), &mut anchor, &mut outer, &model(3))
+                .hand_off(1, &mut anchor, &mut outer, &model(3))
                 .unwrap();
             assert_eq!(overlap.drop_pending(&mut anchor, &mut outer), Some(1));
             assert!(same(&anchor, &anchor_before), "{mode:?}: anchor");
@@ -647,12 +603,10 @@ mod tests {
             Some(OverlapError::NotPending(3))
         );
         overlap
-            .hand_off(3, Some(&row), &mut anchor, &mut outer, &local)
+            .hand_off(3, &mut anchor, &mut outer, &local)
             .unwrap();
         assert_eq!(
-            overlap
-                .hand_off(4, Some(&row), &mut anchor, &mut outer, &local)
-                .err(),
+            overlap.hand_off(4, &mut anchor, &mut outer, &local).err(),
             Some(OverlapError::StillPending {
                 handing: 4,
                 pending: 3

@@ -13,6 +13,7 @@
 //! simulated ([`clock`]).
 
 pub mod clock;
+pub mod disagreement;
 pub mod report;
 
 use crate::algo::outer::{
@@ -467,13 +468,9 @@ impl Simulation {
             let w = &mut self.workers[i];
             let local = copies(&w.trainer.parameters());
             let overlap = w.overlap.as_mut().expect("an overlapped run");
-            if let LocalModel::Replace(x) = overlap.hand_off(
-                self.round,
-                Some(&rows[i]),
-                &mut w.anchor,
-                &mut w.outer,
-                &local,
-            )? {
+            if let LocalModel::Replace(x) =
+                overlap.hand_off(self.round, &mut w.anchor, &mut w.outer, &local)?
+            {
                 w.trainer.set_parameters(&x);
             }
             handed_off.push(local);

@@ -225,8 +225,8 @@ impl RoundWork for Poisoner {
             Ok(finished)
         })
     }
-    fn load_state(&mut self, round: u64, state: TensorSet) -> WorkFuture<()> {
-        self.inner.load_state(round, state)
+    fn load_state(&mut self, round: u64, state: TensorSet, spread: Vec<f64>) -> WorkFuture<()> {
+        self.inner.load_state(round, state, spread)
     }
     fn close(&mut self) -> WorkFuture<()> {
         self.inner.close()
