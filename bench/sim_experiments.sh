@@ -3,6 +3,7 @@
 # (the tiny model on Shakespeare bytes, 8 workers, 1 libtorch thread per run).
 #
 # usage: [SIM_ROUNDS_H30=12] [SIM_ROUNDS_H1=150] bench/sim_experiments.sh [1 2 3 4 5 …]  (default: 1–5)
+#        [SIM_SWEEP_TOPOLOGIES="one-peer two-peer"] bench/sim_experiments.sh 2sweep  (η × μ at H = 1)
 #        [SIM_ROUNDS_OVERLAP=30] [SIM_SEEDS="1234 99"] [SIM_LINKS="one-peer:8 two-peer:16"]
 #        [SIM_MODES="none delayed eager"] [SIM_MODEL=demo] bench/sim_experiments.sh 6
 #        (overlapped rounds; SIM_MODEL=demo: the demo model's shape, d 128, 4 layers, instead
@@ -58,6 +59,20 @@ exp2() { # H = 1: GASLoC vs DAdam on four topologies
   done
   # the same long-run outer step η/(1−μ) = 1 as DAdam
   sim e2-gasloc-one-peer-eta0.1 "$r1" "$r1" 'topology = "one-peer"\ninner_steps = 1\nlr = 0.1\nmomentum = 0.9' '' --eval-every 25
+  exp2sweep
+}
+
+exp2sweep() { # H = 1: GASLoC's outer lr and momentum, η ∈ {0.5, 1} × μ ∈ {0, 0.3, 0.5, 0.9}
+  # (SIM_SWEEP_TOPOLOGIES, default one-peer and two-peer)
+  local t eta mu
+  for t in ${SIM_SWEEP_TOPOLOGIES:-one-peer two-peer}; do
+    for eta in 0.5 1.0; do
+      for mu in 0.0 0.3 0.5 0.9; do
+        sim "e2-gasloc-$t-eta$eta-mu$mu" "$r1" "$r1" \
+          "topology = \"$t\"\ninner_steps = 1\nlr = $eta\nmomentum = $mu" '' --eval-every 25
+      done
+    done
+  done
 }
 
 exp3() { # outer momentum as gossip acceleration: consensus per round, one-peer, H = 30 (μ = 0.9 is e1-gasloc-one-peer)

@@ -20,6 +20,7 @@ pub mod algo;
 pub mod checkpoint;
 pub mod device;
 pub mod join;
+pub mod lordo_wire;
 pub mod model;
 pub mod optim;
 pub mod run_data;

@@ -253,6 +253,10 @@ impl Trainer {
         }
     }
 
+    pub fn inner_optimizer(&self) -> &InnerOptimizer {
+        &self.optimizer
+    }
+
     pub fn inner_optimizer_mut(&mut self) -> &mut InnerOptimizer {
         &mut self.optimizer
     }

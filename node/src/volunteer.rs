@@ -10,22 +10,28 @@
 //!    and outer step, `ALGORITHMS.md` §2) at `t_step`, the moving average of this node's
 //!    measured step time: `H_i = clamp(floor(budget / t_step), H_min, H_max)`, the
 //!    simulator's function (`gasloc_proto::pace`); otherwise H.
-//!    The payload is the local model `x_i` (fp32 or bf16, `[outer] payload`).
+//!    The payload is the local model `x_i` (fp32 or bf16, `[outer] payload`), or with
+//!    `payload = "lordo"` the low-rank factors of the pseudo-gradient `θ_i − x_i` plus the
+//!    payload error, and the anchor every `[lordo] full_sync_every` rounds
+//!    ([`crate::lordo_wire`]).
 //! 2. **finish**: the mix `x̄_i = Σ_j w_ij x_j` with the row the round machine hands over
 //!    (the round topology's row, a neighbour that sent nothing usable removed and its weight
 //!    returned to self: ⅔ / ⅓ in two-peer with one missing), as a pseudo-gradient
 //!    `Δ_i = θ_i − x̄_i`, then the outer Nesterov step on `θ_i` — the same functions as the
-//!    simulator (`algo::outer`, `topology::Topology::round_row`). The new anchor is
-//!    evaluated and, every K rounds, saved.
+//!    simulator (`algo::outer`, `topology::Topology::round_row`). With `lordo` payloads the
+//!    mix is of the decoded pseudo-gradients, `Δ_i = Σ_j w_ij Δ_j` (and on a full-sync round
+//!    the anchors, `θ_i ← Σ_j w_ij θ_j`, before the outer step), as in the simulator. The new
+//!    anchor is evaluated and, every K rounds, saved.
 //!
 //! The state served to late joiners is the anchor and the outer momentum, named
 //! `anchor.<param>` and `outer_momentum.<param>` (fp32), made by the outer step of a round
 //! in which a joiner asked for it (`Received::want_state`), not every round. A checkpoint is the anchor as an HF
 //! model plus the AdamW moments, the data cursor, the outer momentum and the next round.
 
-use crate::algo::outer::{mixed_pseudo_gradient, OuterOptimizer};
+use crate::algo::outer::{mixed_pseudo_gradient, weighted_mix, OuterOptimizer};
 use crate::algo::overlap::{LocalModel, OverlapError, OverlappedOuter};
 use crate::checkpoint::{self, Checkpoint};
+use crate::lordo_wire::LordoWire;
 use crate::optim::InnerOptimizer;
 use crate::trainer::{validation_set, Trainer};
 use anyhow::{anyhow, bail, Context, Result};
@@ -34,8 +40,8 @@ use gasloc_data::stream::{Batch, WorkerSlot};
 use gasloc_p2p::network::unix_ms;
 use gasloc_p2p::tensors::{Tensor as WireTensor, TensorSet, TensorSpec};
 use gasloc_p2p::work::{
-    Candidate, Finished, GateReading, Received, RoundWork, Screened, TrainOrder, Trained,
-    WorkFuture,
+    Candidate, Finished, GateReading, PayloadTables, Received, RoundWork, Screened, TrainOrder,
+    Trained, WorkFuture,
 };
 use gasloc_p2p::PeerId;
 use gasloc_proto::gate::{PayloadGate, PayloadStats, Refusal};
@@ -101,7 +107,7 @@ pub enum Start {
 /// The libtorch trainer behind `gasloc-node join` (a handle to its thread).
 pub struct Volunteer {
     requests: mpsc::Sender<Request>,
-    payload_table: Vec<TensorSpec>,
+    payload_tables: PayloadTables,
     state_table: Vec<TensorSpec>,
     start: Start,
     shards_ahead: Vec<String>,
@@ -109,7 +115,7 @@ pub struct Volunteer {
 
 enum Request {
     Train(TrainOrder, oneshot::Sender<Result<Trained>>),
-    Screen(Vec<Candidate>, oneshot::Sender<Result<Vec<Screened>>>),
+    Screen(u64, Vec<Candidate>, oneshot::Sender<Result<Vec<Screened>>>),
     Finish(Received, oneshot::Sender<Result<Finished>>),
     LoadState(u64, TensorSet, Vec<f64>, oneshot::Sender<Result<()>>),
     Close(oneshot::Sender<Result<()>>),
@@ -131,7 +137,7 @@ impl Volunteer {
                 match RoundTrainer::open(options) {
                     Ok(trainer) => {
                         let _ = ready_tx.send(Ok((
-                            trainer.payload_table(),
+                            trainer.payload_tables(),
                             trainer.state_table(),
                             trainer.start,
                             trainer.trainer.shards_ahead(),
@@ -144,12 +150,12 @@ impl Volunteer {
                 }
             })
             .context("cannot start the trainer thread")?;
-        let (payload_table, state_table, start, shards_ahead) = ready_rx
+        let (payload_tables, state_table, start, shards_ahead) = ready_rx
             .recv()
             .map_err(|_| anyhow!("the trainer thread ended while starting"))??;
         Ok(Volunteer {
             requests,
-            payload_table,
+            payload_tables,
             state_table,
             start,
             shards_ahead,
@@ -181,8 +187,8 @@ impl Volunteer {
 }
 
 impl RoundWork for Volunteer {
-    fn payload_table(&self) -> Vec<TensorSpec> {
-        self.payload_table.clone()
+    fn payload_tables(&self) -> PayloadTables {
+        self.payload_tables.clone()
     }
     fn state_table(&self) -> Vec<TensorSpec> {
         self.state_table.clone()
@@ -190,8 +196,8 @@ impl RoundWork for Volunteer {
     fn train(&mut self, order: TrainOrder) -> WorkFuture<Trained> {
         self.call(|reply| Request::Train(order, reply))
     }
-    fn screen(&mut self, _round: u64, candidates: Vec<Candidate>) -> WorkFuture<Vec<Screened>> {
-        self.call(|reply| Request::Screen(candidates, reply))
+    fn screen(&mut self, round: u64, candidates: Vec<Candidate>) -> WorkFuture<Vec<Screened>> {
+        self.call(|reply| Request::Screen(round, candidates, reply))
     }
     fn finish(&mut self, received: Received) -> WorkFuture<Finished> {
         self.call(|reply| Request::Finish(received, reply))
@@ -211,9 +217,6 @@ fn check_supported(m: &RunManifest) -> Result<()> {
             "[outer] algorithm = {:?}: join runs gasloc (and diloco with topology = \"complete\")",
             m.outer.algorithm
         );
-    }
-    if m.outer.payload == Payload::Lordo {
-        bail!("[outer] payload = \"lordo\": join exchanges model-fp32 or model-bf16 payloads only (the low-rank payload runs in `gasloc-node sim`); the LoRDO inner optimizer (inner_optimizer = \"lordo\") runs in join with a model payload");
     }
     if m.outer.inner_optimizer == InnerOptimizerKind::Lordo && m.outer.overlap != Overlap::None {
         bail!(
@@ -235,6 +238,8 @@ struct RoundTrainer {
     outer: OuterOptimizer,
     /// Judges each received model before it is mixed (`[gate]` of the manifest).
     gate: PayloadGate,
+    /// `[outer] payload = "lordo"`: the low-rank payload's sender and decoder.
+    lordo_wire: Option<LordoWire>,
     val: Vec<Batch>,
     payload_dtype: DType,
     /// Moving average of one inner step, seconds.
@@ -307,16 +312,30 @@ impl RoundTrainer {
         let anchor: Vec<Tensor> = trainer.parameters().iter().map(|t| t.copy()).collect();
         let outer = OuterOptimizer::new(&manifest.outer, &anchor);
         let names = trainer.parameter_names();
+        let shapes: Vec<Vec<i64>> = anchor.iter().map(|t| t.size()).collect();
+        let lordo_wire = match (&manifest.outer.payload, trainer.inner_optimizer()) {
+            (Payload::Lordo, InnerOptimizer::Lordo(lordo)) => Some(LordoWire::new(
+                &names,
+                &shapes,
+                lordo.projected(),
+                manifest.lordo.full_sync_every,
+                options.device,
+            )),
+            _ => None,
+        };
         if !saved_momentum.is_empty() {
-            let targets: Vec<(String, Tensor)> = names
+            // The outer momentum, and the lordo payload's error beside it.
+            let mut targets: Vec<(String, Tensor)> = names
                 .iter()
                 .zip(outer.momentum())
                 .map(|(n, m)| (n.clone(), m.shallow_clone()))
                 .collect();
+            if let Some(wire) = &lordo_wire {
+                targets.extend(wire.error_targets());
+            }
             checkpoint::copy_into(&saved_momentum, &targets, &options.checkpoints, false)
                 .context("restoring the outer momentum")?;
         }
-        let shapes = anchor.iter().map(|t| t.size()).collect();
         let round = match start {
             Start::Resumed { round, .. } => round,
             Start::Fresh => 0,
@@ -332,6 +351,7 @@ impl RoundTrainer {
             anchor,
             outer,
             gate: PayloadGate::with_accepted(manifest.gate.clone(), gate_accepted),
+            lordo_wire,
             val,
             step_time: MovingAverage::default(),
             round,
@@ -364,8 +384,8 @@ impl RoundTrainer {
                 Request::Train(order, reply) => {
                     let _ = reply.send(self.train(order, &inbox));
                 }
-                Request::Screen(candidates, reply) => {
-                    let _ = reply.send(self.screen(candidates));
+                Request::Screen(round, candidates, reply) => {
+                    let _ = reply.send(self.screen(round, candidates));
                 }
                 Request::Finish(received, reply) => {
                     let _ = reply.send(self.finish(received));
@@ -383,12 +403,17 @@ impl RoundTrainer {
         }
     }
 
-    fn payload_table(&self) -> Vec<TensorSpec> {
-        self.names
-            .iter()
-            .zip(&self.shapes)
-            .map(|(n, s)| tensor_spec(n.clone(), s, self.payload_dtype))
-            .collect()
+    fn payload_tables(&self) -> PayloadTables {
+        match &self.lordo_wire {
+            Some(wire) => wire.tables(),
+            None => PayloadTables::model(
+                self.names
+                    .iter()
+                    .zip(&self.shapes)
+                    .map(|(n, s)| tensor_spec(n.clone(), s, self.payload_dtype))
+                    .collect(),
+            ),
+        }
     }
 
     fn state_table(&self) -> Vec<TensorSpec> {
@@ -435,7 +460,7 @@ impl RoundTrainer {
             self.hand_off(order.round)?;
         }
         Ok(Trained {
-            payload: self.payload()?,
+            payload: self.payload(order.round)?,
             inner_steps: steps,
             step_time_s: self.step_time.get().unwrap_or(0.0),
             train_s: busy,
@@ -460,8 +485,8 @@ impl RoundTrainer {
                 }
             };
             match request {
-                Request::Screen(candidates, reply) => {
-                    let _ = reply.send(self.screen(candidates));
+                Request::Screen(round, candidates, reply) => {
+                    let _ = reply.send(self.screen(round, candidates));
                 }
                 Request::Finish(received, reply) => {
                     let _ = reply.send(self.finish(received));
@@ -504,8 +529,15 @@ impl RoundTrainer {
         Ok(())
     }
 
-    /// The local model as the wire payload (with overlapped rounds, the model handed off).
-    fn payload(&self) -> Result<TensorSet> {
+    /// The round's wire payload: the local model (with overlapped rounds, the model handed
+    /// off), or the `lordo` payload of its pseudo-gradient.
+    fn payload(&mut self, round: u64) -> Result<TensorSet> {
+        if let (Some(wire), InnerOptimizer::Lordo(lordo)) =
+            (self.lordo_wire.as_mut(), self.trainer.inner_optimizer())
+        {
+            let local = self.trainer.parameters();
+            return wire.encode(round, &self.anchor, &local, lordo.projected());
+        }
         let kind = match self.payload_dtype {
             DType::Bf16 => Kind::BFloat16,
             _ => Kind::Float,
@@ -521,23 +553,53 @@ impl RoundTrainer {
 
     /// The payload gate: measures each received model `x_j` against the anchor `θ_i` —
     /// finiteness, `‖θ_i − x_j‖`, and its cosine with this node's own pseudo-gradient
-    /// `θ_i − x_i` — and lets [`PayloadGate`] judge (`gasloc_proto::gate`).
-    fn screen(&mut self, candidates: Vec<Candidate>) -> Result<Vec<Screened>> {
+    /// `θ_i − x_i` — and lets [`PayloadGate`] judge (`gasloc_proto::gate`). A `lordo` payload
+    /// is measured as the model it stands for: `θ_i − x_j` is its pseudo-gradient `Δ_j`, plus
+    /// `θ_i − θ_j` on a full-sync round, whose anchor is mixed too; this node's own is the
+    /// pseudo-gradient it sent.
+    fn screen(&mut self, round: u64, candidates: Vec<Candidate>) -> Result<Vec<Screened>> {
         let _guard = tch::no_grad_guard();
         let anchor = self.round_anchor();
-        let own_delta: Vec<Tensor> = anchor
-            .iter()
-            .zip(self.own_payload_model())
-            .map(|(a, x)| a - x)
-            .collect();
+        let own_delta: Vec<Tensor> = match self.lordo_wire.as_ref().and_then(|w| w.own(round)) {
+            Some(sent) => sent.iter().map(Tensor::shallow_clone).collect(),
+            None => anchor
+                .iter()
+                .zip(self.own_payload_model())
+                .map(|(a, x)| a - x)
+                .collect(),
+        };
         let own_distance = own_delta
             .iter()
             .map(|d| d.norm().double_value(&[]).powi(2))
             .sum::<f64>()
             .sqrt();
+        let device = self.trainer.device();
         let mut measured = Vec::with_capacity(candidates.len());
         for candidate in &candidates {
-            measured.push(self.measure(&candidate.tensors, &anchor, &own_delta, own_distance));
+            let stats = match &self.lordo_wire {
+                Some(wire) => lordo_differences(wire, round, &candidate.tensors, &anchor, device)
+                    .and_then(|d| {
+                        let named = self.names.iter().cloned().zip(d).map(Ok);
+                        measure(named, &own_delta, own_distance)
+                    }),
+                None => {
+                    let differences = candidate
+                        .tensors
+                        .tensors
+                        .iter()
+                        .zip(&self.shapes)
+                        .zip(&anchor)
+                        .map(|((wire, shape), anchor)| {
+                            // `θ_i − x_j`, made in the decoded tensor's own buffer.
+                            let mut d = from_wire(wire, shape, device)
+                                .map_err(|e| malformed(&wire.name, e))?;
+                            let _ = d.neg_().g_add_(anchor);
+                            Ok((wire.name.clone(), d))
+                        });
+                    measure(differences, &own_delta, own_distance)
+                }
+            };
+            measured.push(stats);
         }
         let stats: Vec<PayloadStats> = measured
             .iter()
@@ -571,59 +633,6 @@ impl RoundTrainer {
         Ok(screened)
     }
 
-    /// One received model's numbers for the gate, or a refusal when it cannot be read.
-    fn measure(
-        &self,
-        set: &TensorSet,
-        anchor: &[Tensor],
-        own_delta: &[Tensor],
-        own_distance: f64,
-    ) -> Result<PayloadStats, Refusal> {
-        let device = self.trainer.device();
-        let (mut squared, mut dot) = (0.0, 0.0);
-        let mut non_finite = None;
-        for ((wire, shape), (anchor, own)) in set
-            .tensors
-            .iter()
-            .zip(&self.shapes)
-            .zip(anchor.iter().zip(own_delta))
-        {
-            let malformed = |e: anyhow::Error| Refusal::Malformed {
-                tensor: wire.name.clone(),
-                detail: format!("{e:#}"),
-            };
-            // `θ_i − x_j`, made in the decoded tensor's own buffer, then two passes over it:
-            // its norm and its dot product with the own pseudo-gradient (fp32, libtorch's
-            // pairwise sums). A NaN or an infinity makes the norm non-finite, and only then
-            // are the values looked at (a difference that overflows fp32 counts as one); a
-            // norm that overflows from finite values is too far.
-            let mut d = from_wire(wire, shape, device).map_err(malformed)?;
-            let _ = d.neg_().g_add_(anchor);
-            let d = d.flatten(0, -1);
-            let norm = d.norm().double_value(&[]);
-            if !norm.is_finite() && non_finite.is_none() {
-                let finite = d
-                    .isfinite()
-                    .all()
-                    .f_int64_value(&[])
-                    .map_err(|e| malformed(e.into()))?;
-                if finite == 0 {
-                    non_finite = Some(wire.name.clone());
-                }
-            }
-            squared += norm * norm;
-            dot += d.dot(&own.flatten(0, -1)).double_value(&[]);
-        }
-        let distance = squared.sqrt();
-        let cosine =
-            (distance > 0.0 && own_distance > 0.0).then(|| dot / (distance * own_distance));
-        Ok(PayloadStats {
-            non_finite,
-            distance,
-            cosine,
-        })
-    }
-
     /// The anchor the round being screened started from, `θ_i`: the anchor, or with an
     /// overlapped round pending the one it started from (eager has moved the anchor by its
     /// own step since).
@@ -646,17 +655,25 @@ impl RoundTrainer {
     fn finish(&mut self, received: Received) -> Result<Finished> {
         let device = self.trainer.device();
         let own = self.own_payload_model();
+        // The `lordo` payload mixes pseudo-gradients (and, on a full-sync round, anchors);
+        // a model payload mixes models.
+        let lordo = match &self.lordo_wire {
+            Some(wire) => Some(lordo_mix(wire, &received, &self.anchor, &own, device)?),
+            None => None,
+        };
         let mut models: Vec<(usize, Vec<Tensor>)> = Vec::with_capacity(received.payloads.len());
-        for arrived in &received.payloads {
-            let decoded = arrived
-                .tensors
-                .tensors
-                .iter()
-                .zip(&self.shapes)
-                .map(|(t, shape)| from_wire(t, shape, device))
-                .collect::<Result<Vec<_>>>()
-                .with_context(|| format!("decoding the model from {}", arrived.peer))?;
-            models.push((arrived.index, decoded));
+        if lordo.is_none() {
+            for arrived in &received.payloads {
+                let decoded = arrived
+                    .tensors
+                    .tensors
+                    .iter()
+                    .zip(&self.shapes)
+                    .map(|(t, shape)| from_wire(t, shape, device))
+                    .collect::<Result<Vec<_>>>()
+                    .with_context(|| format!("decoding the model from {}", arrived.peer))?;
+                models.push((arrived.index, decoded));
+            }
         }
         // The row is the round machine's: every neighbour term has its payload. Term
         // `mixing.worker` (and, should a payload ever be missing, that term too — which is
@@ -669,7 +686,19 @@ impl RoundTrainer {
         let evaluate = every > 0 && !self.val.is_empty() && received.round.is_multiple_of(every);
         let val_loss = match self.overlap.as_mut() {
             None => {
-                let delta = mixed_pseudo_gradient(&received.mixing, &self.anchor, model);
+                let delta = match lordo {
+                    Some(LordoMix { delta, anchor }) => {
+                        // A full-sync round: the anchors mix outside the outer momentum.
+                        if let Some(mixed) = anchor {
+                            let _guard = tch::no_grad_guard();
+                            for (a, m) in self.anchor.iter_mut().zip(&mixed) {
+                                a.copy_(m);
+                            }
+                        }
+                        delta
+                    }
+                    None => mixed_pseudo_gradient(&received.mixing, &self.anchor, model),
+                };
                 self.outer.step(&mut self.anchor, &delta);
                 // LoRDO: each projected matrix's basis becomes the top-r singular vectors
                 // of its mixed pseudo-gradient, as the simulator does (under DiLoCo the
@@ -842,6 +871,9 @@ impl RoundTrainer {
             .zip(self.outer.momentum())
             .map(|(n, t)| (n.clone(), to_cpu(t)))
             .collect();
+        if let Some(wire) = &self.lordo_wire {
+            ckpt.outer_momentum.extend(wire.named_error());
+        }
         if let Some(state) = ckpt.state.as_mut() {
             state.round = Some(self.round);
             state.gate_accepted = self.gate.accepted();
@@ -878,6 +910,120 @@ fn newest_checkpoint(options: &VolunteerOptions) -> Result<Option<(PathBuf, Chec
     Ok(Some((dir, ckpt)))
 }
 
+/// A round's mix of `lordo` payloads (the simulator's `weighted_mix`, `algo::outer`).
+struct LordoMix {
+    /// `Δ_i = Σ_j w_ij·Δ_j`, this node's own term the payload it sent.
+    delta: Vec<Tensor>,
+    /// On a full-sync round, `Σ_j w_ij·θ_j`, this node's own term its anchor.
+    anchor: Option<Vec<Tensor>>,
+}
+
+/// Mixes the `lordo` payloads that `received` names with this node's own (the one it sent;
+/// should there be none, its exact pseudo-gradient `anchor − own_model`).
+fn lordo_mix(
+    wire: &LordoWire,
+    received: &Received,
+    anchor: &[Tensor],
+    own_model: &[Tensor],
+    device: Device,
+) -> Result<LordoMix> {
+    let _guard = tch::no_grad_guard();
+    let round = received.round;
+    let own: Vec<Tensor> = match wire.own(round) {
+        Some(sent) => sent.iter().map(Tensor::shallow_clone).collect(),
+        None => anchor.iter().zip(own_model).map(|(a, x)| a - x).collect(),
+    };
+    let mut decoded = Vec::with_capacity(received.payloads.len());
+    for arrived in &received.payloads {
+        let payload = wire
+            .decode(round, &arrived.tensors, device)
+            .with_context(|| format!("decoding the lordo payload from {}", arrived.peer))?;
+        decoded.push((arrived.index, payload));
+    }
+    let theirs = |j: usize| decoded.iter().find(|(i, _)| *i == j).map(|(_, d)| d);
+    let delta = weighted_mix(&received.mixing, |j| match theirs(j) {
+        Some(d) => &d.pseudo_gradient[..],
+        None => &own[..],
+    });
+    let anchor = wire.is_full_sync(round).then(|| {
+        weighted_mix(&received.mixing, |j| {
+            match theirs(j).and_then(|d| d.anchor.as_deref()) {
+                Some(a) => a,
+                None => anchor,
+            }
+        })
+    });
+    Ok(LordoMix { delta, anchor })
+}
+
+/// A refusal of a payload the trainer could not read as its table says.
+fn malformed(tensor: &str, e: impl std::fmt::Display) -> Refusal {
+    Refusal::Malformed {
+        tensor: tensor.to_string(),
+        detail: format!("{e:#}"),
+    }
+}
+
+/// A `lordo` payload's `θ_i − x_j` per parameter: its pseudo-gradient `Δ_j`, plus
+/// `θ_i − θ_j` on a full-sync round.
+fn lordo_differences(
+    wire: &LordoWire,
+    round: u64,
+    set: &TensorSet,
+    anchor: &[Tensor],
+    device: Device,
+) -> Result<Vec<Tensor>, Refusal> {
+    let decoded = wire
+        .decode(round, set, device)
+        .map_err(|e| malformed("lordo payload", e))?;
+    let mut differences = decoded.pseudo_gradient;
+    if let Some(theirs) = &decoded.anchor {
+        for ((d, own), theirs) in differences.iter_mut().zip(anchor).zip(theirs) {
+            *d += own - theirs;
+        }
+    }
+    Ok(differences)
+}
+
+/// One received payload's numbers for the gate, from its differences `θ_i − x_j` per
+/// tensor (named), or the first refusal met while making them: two passes over each, its
+/// norm and its dot product with the own pseudo-gradient (fp32, libtorch's pairwise sums).
+/// A NaN or an infinity makes the norm non-finite, and only then are the values looked at
+/// (a difference that overflows fp32 counts as one); a norm that overflows from finite
+/// values is too far.
+fn measure(
+    differences: impl Iterator<Item = Result<(String, Tensor), Refusal>>,
+    own_delta: &[Tensor],
+    own_distance: f64,
+) -> Result<PayloadStats, Refusal> {
+    let (mut squared, mut dot) = (0.0, 0.0);
+    let mut non_finite = None;
+    for (difference, own) in differences.zip(own_delta) {
+        let (name, d) = difference?;
+        let d = d.flatten(0, -1);
+        let norm = d.norm().double_value(&[]);
+        if !norm.is_finite() && non_finite.is_none() {
+            let finite = d
+                .isfinite()
+                .all()
+                .f_int64_value(&[])
+                .map_err(|e| malformed(&name, e))?;
+            if finite == 0 {
+                non_finite = Some(name);
+            }
+        }
+        squared += norm * norm;
+        dot += d.dot(&own.flatten(0, -1)).double_value(&[]);
+    }
+    let distance = squared.sqrt();
+    let cosine = (distance > 0.0 && own_distance > 0.0).then(|| dot / (distance * own_distance));
+    Ok(PayloadStats {
+        non_finite,
+        distance,
+        cosine,
+    })
+}
+
 /// The data order of a node: the run's seed mixed with its peer id.
 fn stream_seed(run_seed: u64, peer: &PeerId) -> u64 {
     let digest = Sha256::new()
@@ -888,7 +1034,7 @@ fn stream_seed(run_seed: u64, peer: &PeerId) -> u64 {
 }
 
 /// A libtorch tensor as a named little-endian wire tensor of `dtype`.
-fn to_wire(name: String, t: &Tensor, kind: Kind, dtype: DType) -> Result<WireTensor> {
+pub(crate) fn to_wire(name: String, t: &Tensor, kind: Kind, dtype: DType) -> Result<WireTensor> {
     let t = t.detach().to_device(Device::Cpu).to_kind(kind).contiguous();
     let numel = t.numel();
     let mut bytes = vec![0u8; numel * dtype.size().unwrap_or(4) as usize];
@@ -898,7 +1044,7 @@ fn to_wire(name: String, t: &Tensor, kind: Kind, dtype: DType) -> Result<WireTen
 }
 
 /// A wire tensor (already checked against its table) as an fp32 tensor on `device`.
-fn from_wire(t: &WireTensor, shape: &[i64], device: Device) -> Result<Tensor> {
+pub(crate) fn from_wire(t: &WireTensor, shape: &[i64], device: Device) -> Result<Tensor> {
     let kind = match t.dtype {
         DType::F32 => Kind::Float,
         DType::Bf16 => Kind::BFloat16,
@@ -910,7 +1056,7 @@ fn from_wire(t: &WireTensor, shape: &[i64], device: Device) -> Result<Tensor> {
 }
 
 /// The wire description of one libtorch tensor of `shape`.
-fn tensor_spec(name: String, shape: &[i64], dtype: DType) -> TensorSpec {
+pub(crate) fn tensor_spec(name: String, shape: &[i64], dtype: DType) -> TensorSpec {
     TensorSpec {
         name,
         dtype,
@@ -936,7 +1082,10 @@ mod tests {
         let refused = |outer: &str| check_supported(&manifest(outer)).unwrap_err().to_string();
         assert!(refused("algorithm = \"dadam\"").contains("algorithm"));
         assert!(check_supported(&manifest("inner_optimizer = \"lordo\"")).is_ok());
-        assert!(refused("inner_optimizer = \"lordo\"\npayload = \"lordo\"").contains("payload"));
+        assert!(check_supported(&manifest(
+            "inner_optimizer = \"lordo\"\npayload = \"lordo\""
+        ))
+        .is_ok());
         assert!(refused("inner_optimizer = \"lordo\"\noverlap = \"delayed\"").contains("overlap"));
         assert!(check_supported(&manifest("overlap = \"delayed\"")).is_ok());
         assert!(check_supported(&manifest("overlap = \"eager\"")).is_ok());

@@ -4,11 +4,11 @@
 
 mod common;
 
-use common::{byte_data, write_manifest, TINY_RUN};
+use common::{byte_data, start_volunteer, write_manifest, TINY_RUN};
 use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::WorkerSlot;
 use gasloc_node::trainer::Trainer;
-use gasloc_node::volunteer::{RunDataSource, Volunteer, VolunteerOptions};
+use gasloc_node::volunteer::Volunteer;
 use gasloc_p2p::network::unix_ms;
 use gasloc_p2p::tensors::TensorSet;
 use gasloc_p2p::work::{Candidate, RoundWork, TrainDeadline, TrainOrder};
@@ -26,21 +26,7 @@ fn run_text(gate: &str) -> String {
 }
 
 fn volunteer(dir: &Path, name: &str, gate: &str) -> Volunteer {
-    let home = dir.join(name);
-    std::fs::create_dir_all(&home).unwrap();
-    let (_, manifest) = write_manifest(&home, &run_text(gate));
-    Volunteer::start(VolunteerOptions {
-        manifest,
-        device: tch::Device::Cpu,
-        data: RunDataSource::Given(byte_data(&home)),
-        checkpoints: home.join("checkpoints"),
-        checkpoint_every: 0,
-        keep_checkpoints: 1,
-        eval_every: 0,
-        threads: 1,
-        peer: PeerId::random(),
-    })
-    .unwrap()
+    start_volunteer(&dir.join(name), &run_text(gate), 0)
 }
 
 async fn train(v: &mut Volunteer) -> TensorSet {
@@ -167,4 +153,101 @@ async fn a_sign_flipped_pseudo_gradient_passes_the_default_gate_and_not_a_cosine
     assert_eq!(got, ["ok", "ok"], "min_cosine = -1 (the default) is off");
     let got = verdicts(&mut strict, vec![honest, flipped]).await;
     assert_eq!(got, ["ok", "misaligned"]);
+}
+
+/// A bf16 tensor of `set` with `f` applied to each value (its index and value).
+fn with_bf16(set: &TensorSet, name: &str, f: impl Fn(usize, f32) -> f32) -> TensorSet {
+    let mut set = set.clone();
+    let t = set.tensors.iter_mut().find(|t| t.name == name).unwrap();
+    assert_eq!(t.dtype, DType::Bf16);
+    t.data = t
+        .data
+        .chunks_exact(2)
+        .enumerate()
+        .flat_map(|(i, b)| {
+            let v = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+            ((f(i, v).to_bits() >> 16) as u16).to_le_bytes()
+        })
+        .collect();
+    set
+}
+
+/// The `lordo` payload (issue 15's bad input): two volunteers train round 0 — a full-sync
+/// round, whose payload carries the anchor beside the pseudo-gradient's factors — and one
+/// screens what the other sent, honest and poisoned; and factors of another rank than the
+/// manifest's are refused by the exchange's table check before a byte of them is read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lordo_payload_is_screened_as_the_model_it_stands_for_and_another_rank_is_refused() {
+    use gasloc_p2p::exchange::{check_header, ExchangeError, ExchangeLimits, Expectation};
+    use gasloc_p2p::exchange::{OutgoingPayload, SendOptions};
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let lordo = |rank: u32| {
+        format!("inner_optimizer = \"lordo\"\npayload = \"lordo\"\n[lordo]\nrank = {rank}\n")
+    };
+    let mut a = volunteer(dir.path(), "a", &lordo(4));
+    let mut b = volunteer(dir.path(), "b", &lordo(4));
+    let _ = train(&mut a).await;
+    let honest = train(&mut b).await;
+    let table = a.payload_tables().for_round(0);
+    assert_eq!(honest.tensors.len(), table.len());
+    let factor = "model.layers.0.mlp.up_proj.weight.lordo_u";
+    let anchor = "anchor.model.norm.weight";
+    assert!(table.iter().any(|t| t.name == factor) && table.iter().any(|t| t.name == anchor));
+    assert!(
+        a.payload_tables()
+            .for_round(1)
+            .iter()
+            .all(|t| !t.name.starts_with("anchor.")),
+        "only full-sync rounds carry the anchor"
+    );
+
+    let nan = with_bf16(&honest, factor, |i, v| if i == 5 { f32::NAN } else { v });
+    let scaled_factor = with_bf16(&honest, factor, |_, v| v * 1000.0);
+    let scaled_anchor = with_bf16(&honest, anchor, |_, v| v * 1000.0);
+    let got = verdicts(
+        &mut a,
+        vec![honest.clone(), nan.clone(), scaled_factor, scaled_anchor],
+    )
+    .await;
+    assert_eq!(got, ["ok", "non_finite", "too_far", "too_far"]);
+    let screened = a
+        .screen(
+            0,
+            vec![Candidate {
+                peer: PeerId::random(),
+                tensors: nan,
+            }],
+        )
+        .await
+        .unwrap();
+    let reason = screened[0].verdict.as_ref().unwrap_err().to_string();
+    assert!(
+        reason.contains("model.layers.0.mlp.up_proj.weight"),
+        "{reason}"
+    );
+
+    // Rank 2 factors sent to a node of a rank-4 run: the table differs.
+    let mut c = volunteer(dir.path(), "c", &lordo(2));
+    let other_rank = train(&mut c).await;
+    let sender = PeerId::random();
+    let payload = OutgoingPayload::new(
+        a.payload_tables().kind,
+        Arc::new(other_rank),
+        SendOptions::default(),
+    );
+    let (_, manifest) = write_manifest(dir.path(), &run_text(&lordo(4)));
+    let header = payload.header(&manifest.run_id(), 0, &sender);
+    let expect = Expectation {
+        run_id: manifest.run_id(),
+        round: Some(0),
+        sender,
+        kind: a.payload_tables().kind,
+        table: Some(table),
+    };
+    let refused = check_header(&header, &expect, &ExchangeLimits::default()).unwrap_err();
+    assert!(
+        matches!(refused, ExchangeError::TableMismatch(_)),
+        "{refused}"
+    );
 }

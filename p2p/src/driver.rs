@@ -120,10 +120,10 @@ impl RoundDriver {
     ) -> anyhow::Result<Vec<RoundRecord>> {
         let me = self.client.peer_id();
         let timing = self.timing.clone();
-        let table = Arc::new(self.work.payload_table());
+        let tables = self.work.payload_tables();
         let config = MachineConfig {
             rounds: self.options.rounds,
-            payload_bytes: table.iter().filter_map(|t| t.byte_length()).sum(),
+            payload_bytes: tables.bytes(),
             upload_cap: self
                 .options
                 .send
@@ -180,7 +180,7 @@ impl RoundDriver {
                                 round,
                                 deadline: deadline.clone(),
                             }),
-                            PayloadKind::Model,
+                            tables.kind,
                             self.options.send.clone(),
                             |t| Some(std::mem::take(&mut t.payload)),
                         ));
@@ -194,7 +194,7 @@ impl RoundDriver {
                             "round {round}: exchange started with {} neighbour(s)",
                             neighbours.len()
                         );
-                        let (service, table) = (self.service.clone(), table.clone());
+                        let (service, table) = (self.service.clone(), tables.for_round(round));
                         let timeout = Duration::from_millis(timing.exchange_timeout_ms);
                         // A payload is sent in one exchange: it moves into it.
                         let payload = payload.take();

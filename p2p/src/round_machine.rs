@@ -34,6 +34,7 @@
 
 use crate::links::{train_deadline, LinkEstimates};
 use crate::schedule::{Action, RoundPlan, RoundSchedule, Timing};
+use gasloc_proto::manifest::is_full_sync_round;
 use gasloc_proto::pace::MovingAverage;
 use gasloc_proto::topology::{MixingRow, Topology};
 use gasloc_proto::wire::{control_message::Body, Announce, Commit, ControlMessage, Reveal};
@@ -50,8 +51,8 @@ use std::time::Duration;
 pub struct MachineConfig {
     /// Stop after this many rounds finished or skipped (`u64::MAX`: until stopped).
     pub rounds: u64,
-    /// Bytes of one payload (the exchange-time prediction and the bytes sent).
-    pub payload_bytes: u64,
+    /// Bytes of one payload, per round (the exchange-time prediction and the bytes sent).
+    pub payload_bytes: PayloadBytes,
     /// The node's upload cap, bytes per second (`--max-upload-rate`).
     pub upload_cap: Option<u64>,
     /// Fault injection for tests: never publish reveals (the node gets excluded).
@@ -61,6 +62,33 @@ pub struct MachineConfig {
     /// exchange has started the next round may start training beside it. At most one round is handed off: the next one
     /// exchanges only after it has finished.
     pub overlap: bool,
+}
+
+/// Bytes of one round's payload: the same every round, or (the LoRDO payload, whose
+/// full-sync rounds carry the anchor too) larger every `every`-th round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PayloadBytes {
+    pub every_round: u64,
+    /// `(every, bytes)`: the payload of a round `r` with `is_full_sync_round(r, every)`.
+    pub full_sync: Option<(u64, u64)>,
+}
+
+impl PayloadBytes {
+    /// A payload of `bytes` every round.
+    pub fn fixed(bytes: u64) -> Self {
+        PayloadBytes {
+            every_round: bytes,
+            full_sync: None,
+        }
+    }
+
+    /// The payload's bytes in `round`.
+    pub fn of_round(&self, round: u64) -> u64 {
+        match self.full_sync {
+            Some((every, bytes)) if is_full_sync_round(round, every) => bytes,
+            _ => self.every_round,
+        }
+    }
 }
 
 /// What happened, as the caller tells it.
@@ -456,8 +484,11 @@ impl RoundMachine {
         a.outcomes = ordered;
         a.exchange_done_ms = Some(now);
         Self::start_finish(&me, topology, a, out);
-        self.links
-            .record_exchange(self.config.payload_bytes, exchanged_with, &swaps);
+        self.links.record_exchange(
+            self.config.payload_bytes.of_round(round),
+            exchanged_with,
+            &swaps,
+        );
     }
 
     /// The round's mixing row from its plan and outcomes, and the order to apply it.
@@ -610,7 +641,7 @@ impl RoundMachine {
                 continue;
             }
             let predicted = self.links.predicted_exchange_s(
-                self.config.payload_bytes,
+                self.config.payload_bytes.of_round(round),
                 &timing,
                 None,
                 self.config.upload_cap,
@@ -658,7 +689,7 @@ impl RoundMachine {
     fn take_plan(&mut self, plan: RoundPlan, decided_at: u64, out: &mut Vec<Output>) {
         let timing = self.schedule.timing().clone();
         let predicted = self.links.predicted_exchange_s(
-            self.config.payload_bytes,
+            self.config.payload_bytes.of_round(plan.round),
             &timing,
             Some(&plan.neighbours),
             self.config.upload_cap,
@@ -776,7 +807,8 @@ impl RoundMachine {
             neighbours: plan.map(|p| strings(&p.neighbours)).unwrap_or_default(),
             withheld: plan.map(|p| strings(&p.withheld)).unwrap_or_default(),
             gate: Vec::new(), // the driver's: the gate runs outside the machine
-            bytes_sent: self.config.payload_bytes * (exchanged.len() as u64 + swapped_out),
+            bytes_sent: self.config.payload_bytes.of_round(a.round)
+                * (exchanged.len() as u64 + swapped_out),
             exchanged,
             refused,
             failed,
@@ -874,7 +906,7 @@ mod tests {
                 .map(|i| {
                     let config = MachineConfig {
                         rounds,
-                        payload_bytes: 1000,
+                        payload_bytes: PayloadBytes::fixed(1000),
                         upload_cap: None,
                         withhold_reveals: false,
                         overlap,

@@ -38,7 +38,9 @@
 //! few numbers ([`RoundStats`]); a round **agreed** when every live node (one not isolated)
 //! wrote a record for it as a member and all those records have one digest.
 
-use crate::round_machine::{Input, MachineConfig, Outcome, Output, RoundMachine, RoundRecord};
+use crate::round_machine::{
+    Input, MachineConfig, Outcome, Output, PayloadBytes, RoundMachine, RoundRecord,
+};
 use crate::schedule::{RoundSchedule, Timing};
 use gasloc_proto::topology::Topology;
 use gasloc_proto::wire::{control_message::Body, ControlMessage};
@@ -346,7 +348,7 @@ impl Sim {
             .map(|peer| {
                 let machine_config = MachineConfig {
                     rounds: config.rounds,
-                    payload_bytes: config.payload_bytes,
+                    payload_bytes: PayloadBytes::fixed(config.payload_bytes),
                     upload_cap: None,
                     withhold_reveals: false,
                     overlap: false,

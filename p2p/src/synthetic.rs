@@ -4,7 +4,7 @@
 //! payload of the round it last finished.
 
 use crate::tensors::{TensorSet, TensorSpec};
-use crate::work::{Finished, Received, RoundWork, TrainOrder, Trained, WorkFuture};
+use crate::work::{Finished, PayloadTables, Received, RoundWork, TrainOrder, Trained, WorkFuture};
 use libp2p::PeerId;
 use sha2::{Digest, Sha256};
 use std::time::Duration;
@@ -74,8 +74,8 @@ impl SyntheticTrainer {
 }
 
 impl RoundWork for SyntheticTrainer {
-    fn payload_table(&self) -> Vec<TensorSpec> {
-        self.table()
+    fn payload_tables(&self) -> PayloadTables {
+        PayloadTables::model(self.table())
     }
 
     fn state_table(&self) -> Vec<TensorSpec> {

@@ -12,9 +12,12 @@
 //!
 //! [`SyntheticTrainer`]: crate::synthetic::SyntheticTrainer
 
+use crate::round_machine::PayloadBytes;
 use crate::tensors::{TensorSet, TensorSpec};
 use gasloc_proto::gate::Refusal;
+use gasloc_proto::manifest::is_full_sync_round;
 use gasloc_proto::topology::MixingRow;
+use gasloc_proto::wire::PayloadKind;
 use libp2p::PeerId;
 use std::future::Future;
 use std::pin::Pin;
@@ -24,6 +27,49 @@ use std::time::Duration;
 
 /// A call's result, computed off the driver's task.
 pub type WorkFuture<T> = Pin<Box<dyn Future<Output = anyhow::Result<T>> + Send>>;
+
+/// The payloads this node sends and expects: their kind, and the table of every round's
+/// payload — the same every round, or (the `lordo` payload) a larger one on its full-sync
+/// rounds, which carry the sender's anchor too. An incoming payload is checked against the
+/// table of its round.
+#[derive(Debug, Clone)]
+pub struct PayloadTables {
+    pub kind: PayloadKind,
+    pub every_round: Arc<Vec<TensorSpec>>,
+    /// `(every, table)`: the table of a round `r` with `is_full_sync_round(r, every)`.
+    pub full_sync: Option<(u64, Arc<Vec<TensorSpec>>)>,
+}
+
+impl PayloadTables {
+    /// A model payload: one table, every round.
+    pub fn model(table: Vec<TensorSpec>) -> Self {
+        PayloadTables {
+            kind: PayloadKind::Model,
+            every_round: Arc::new(table),
+            full_sync: None,
+        }
+    }
+
+    /// The table of `round`'s payload.
+    pub fn for_round(&self, round: u64) -> Arc<Vec<TensorSpec>> {
+        match &self.full_sync {
+            Some((every, table)) if is_full_sync_round(round, *every) => table.clone(),
+            _ => self.every_round.clone(),
+        }
+    }
+
+    /// The payloads' sizes, as the round machine counts them.
+    pub fn bytes(&self) -> PayloadBytes {
+        let bytes = |table: &[TensorSpec]| table.iter().filter_map(|t| t.byte_length()).sum();
+        PayloadBytes {
+            every_round: bytes(&self.every_round),
+            full_sync: self
+                .full_sync
+                .as_ref()
+                .map(|(every, table)| (*every, bytes(table))),
+        }
+    }
+}
 
 /// What the driver asks for when a round starts.
 #[derive(Debug, Clone)]
@@ -59,7 +105,8 @@ impl TrainDeadline {
 /// What the inner steps produced.
 #[derive(Debug, Clone)]
 pub struct Trained {
-    /// The payload every neighbour receives (it matches [`RoundWork::payload_table`]).
+    /// The payload every neighbour receives (it matches its round's table of
+    /// [`RoundWork::payload_tables`]).
     pub payload: TensorSet,
     /// Inner steps taken (H_i).
     pub inner_steps: u64,
@@ -132,8 +179,8 @@ pub struct Finished {
 
 /// The local trainer as the round driver sees it.
 pub trait RoundWork: Send + Sync {
-    /// The table of every payload (incoming payloads are checked against it).
-    fn payload_table(&self) -> Vec<TensorSpec>;
+    /// The kind and tables of the payloads (incoming payloads are checked against them).
+    fn payload_tables(&self) -> PayloadTables;
     /// The table of the state that state sync moves.
     fn state_table(&self) -> Vec<TensorSpec>;
     /// Runs the round's inner steps.
@@ -164,4 +211,42 @@ pub trait RoundWork: Send + Sync {
     fn load_state(&mut self, round: u64, state: TensorSet, spread: Vec<f64>) -> WorkFuture<()>;
     /// Leaving the swarm: persist what a restart needs (a checkpoint of the last anchor).
     fn close(&mut self) -> WorkFuture<()>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gasloc_proto::wire::DType;
+
+    fn spec(name: &str, elements: u64) -> TensorSpec {
+        TensorSpec {
+            name: name.into(),
+            dtype: DType::Bf16,
+            shape: vec![elements],
+        }
+    }
+
+    #[test]
+    fn a_lordo_payload_carries_the_anchor_table_and_its_bytes_on_full_sync_rounds_only() {
+        let every_round = vec![spec("w.lordo_u", 10), spec("w.lordo_svt", 6)];
+        let mut full = every_round.clone();
+        full.push(spec("anchor.w", 100));
+        let tables = PayloadTables {
+            kind: PayloadKind::Lordo,
+            every_round: Arc::new(every_round),
+            full_sync: Some((4, Arc::new(full))),
+        };
+        let bytes = tables.bytes();
+        for round in 0..9 {
+            let (names, expected) = match round % 4 == 0 {
+                true => (3, 232),
+                false => (2, 32),
+            };
+            assert_eq!(tables.for_round(round).len(), names, "round {round}");
+            assert_eq!(bytes.of_round(round), expected, "round {round}");
+        }
+        let model = PayloadTables::model(vec![spec("w", 100)]);
+        assert_eq!(model.bytes(), PayloadBytes::fixed(200));
+        assert_eq!(model.for_round(4).len(), 1);
+    }
 }

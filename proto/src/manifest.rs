@@ -641,6 +641,13 @@ fn default_lordo_rank() -> usize {
 fn default_lordo_omega() -> f64 {
     0.97
 }
+/// Whether `round` is a full-sync round of the `lordo` payload (`[lordo] full_sync_every`
+/// = `every`, at least 1): rounds 0, K, 2K, … also carry the sender's anchor. The simulator,
+/// the node's payload and the round machine's byte counts all ask this one function.
+pub fn is_full_sync_round(round: u64, every: u64) -> bool {
+    round.is_multiple_of(every.max(1))
+}
+
 fn default_full_sync_every() -> u64 {
     4
 }

@@ -29,12 +29,40 @@ pub fn model_bytes(tensors: &[Tensor], bytes_per_element: usize) -> u64 {
     tensors.iter().map(|t| t.numel() as u64).sum::<u64>() * bytes_per_element as u64
 }
 
-/// One worker's LoRDO payload, decoded, and its size on the wire.
+/// One tensor of a LoRDO payload as it goes on the wire, its values already rounded to bf16
+/// (held in fp32).
+#[derive(Debug)]
+pub enum LordoPart {
+    /// A projected matrix: `U_r` `[m, r]` and `Σ_r·V_rᵀ` `[r, n]`.
+    Factors { left: Tensor, right: Tensor },
+    /// Any other tensor, whole.
+    Whole(Tensor),
+}
+
+impl LordoPart {
+    /// What a receiver reconstructs: `U_r·(Σ_r·V_rᵀ)`, or the tensor.
+    pub fn decode(&self) -> Tensor {
+        match self {
+            LordoPart::Factors { left, right } => left.matmul(right),
+            LordoPart::Whole(t) => t.shallow_clone(),
+        }
+    }
+}
+
+/// One worker's LoRDO payload: what goes on the wire, decoded, and its size.
 #[derive(Debug)]
 pub struct LordoPayload {
+    /// One part per parameter, in parameter order.
+    pub parts: Vec<LordoPart>,
     /// What receivers reconstruct, one tensor per parameter.
     pub decoded: Vec<Tensor>,
     pub bytes: u64,
+}
+
+/// The wire names of a projected matrix's two factors in a `lordo` payload
+/// (`docs/protocol.md`): `<name>.lordo_u` and `<name>.lordo_svt`.
+pub fn factor_names(name: &str) -> (String, String) {
+    (format!("{name}.lordo_u"), format!("{name}.lordo_svt"))
 }
 
 /// The top-`rank` factors of `matrix`'s truncated SVD, `(U_r, Σ_r·V_rᵀ)`: `[m, r]` and
@@ -52,7 +80,7 @@ pub fn top_factors(matrix: &Tensor, rank: i64) -> (Tensor, Tensor) {
 /// Encodes `pseudo_gradient + error` (in parameter order, named by `names`): each matrix that
 /// `projected` names as its top-r factors at that state's rank (its basis is not used: see
 /// the module's doc), every other tensor whole in bf16. Updates `error` in place (error
-/// feedback) and returns the decoded payload.
+/// feedback) and returns the payload.
 pub fn encode_lordo(
     names: &[String],
     pseudo_gradient: &[Tensor],
@@ -61,27 +89,30 @@ pub fn encode_lordo(
 ) -> LordoPayload {
     let _guard = tch::no_grad_guard();
     let mut bytes = 0u64;
-    let decoded = names
-        .iter()
-        .zip(pseudo_gradient)
-        .zip(error.iter_mut())
-        .map(|((name, delta), e)| {
-            let wanted = delta + &*e;
-            let sent = match projected.iter().find(|s| s.name == *name) {
-                Some(s) => {
-                    let (left, right) = top_factors(&wanted, s.rank());
-                    let (left, right) = (through_bf16(&left), through_bf16(&right));
-                    bytes += 2 * (left.numel() + right.numel()) as u64;
-                    left.matmul(&right)
-                }
-                None => {
-                    bytes += 2 * wanted.numel() as u64;
-                    through_bf16(&wanted)
-                }
-            };
-            *e = &wanted - &sent;
-            sent
-        })
-        .collect();
-    LordoPayload { decoded, bytes }
+    let mut parts = Vec::with_capacity(names.len());
+    let mut decoded = Vec::with_capacity(names.len());
+    for ((name, delta), e) in names.iter().zip(pseudo_gradient).zip(error.iter_mut()) {
+        let wanted = delta + &*e;
+        let part = match projected.iter().find(|s| s.name == *name) {
+            Some(s) => {
+                let (left, right) = top_factors(&wanted, s.rank());
+                let (left, right) = (through_bf16(&left), through_bf16(&right));
+                bytes += 2 * (left.numel() + right.numel()) as u64;
+                LordoPart::Factors { left, right }
+            }
+            None => {
+                bytes += 2 * wanted.numel() as u64;
+                LordoPart::Whole(through_bf16(&wanted))
+            }
+        };
+        let sent = part.decode();
+        *e = &wanted - &sent;
+        parts.push(part);
+        decoded.push(sent);
+    }
+    LordoPayload {
+        parts,
+        decoded,
+        bytes,
+    }
 }

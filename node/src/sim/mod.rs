@@ -27,7 +27,7 @@ use anyhow::{bail, Result};
 use clock::{Network, Straggler};
 use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::{validation_batches, Batch, WorkerSlot};
-use gasloc_proto::manifest::{Algorithm, Overlap, Payload};
+use gasloc_proto::manifest::{is_full_sync_round, Algorithm, Overlap, Payload};
 use gasloc_proto::pace::{
     overlapped_round_budget, standard_round_budget, InnerSteps, MovingAverage,
 };
@@ -362,9 +362,7 @@ impl Simulation {
 
         let o = self.manifest.outer.clone();
         let full_sync = o.payload == Payload::Lordo
-            && self
-                .round
-                .is_multiple_of(self.manifest.lordo.full_sync_every);
+            && is_full_sync_round(self.round, self.manifest.lordo.full_sync_every);
         let models: Vec<Vec<Tensor>> = self
             .workers
             .iter()

@@ -13,7 +13,8 @@ use gasloc_p2p::peer_standing::PeerStanding;
 use gasloc_p2p::swarm_node::{Participation, SwarmNode, STATE_ANCHOR_PREFIX};
 use gasloc_p2p::tensors::{TensorSet, TensorSpec};
 use gasloc_p2p::work::{
-    Candidate, Finished, Received, RoundWork, Screened, TrainOrder, Trained, WorkFuture,
+    Candidate, Finished, PayloadTables, Received, RoundWork, Screened, TrainOrder, Trained,
+    WorkFuture,
 };
 use gasloc_p2p::{Keypair, Multiaddr, PeerId};
 use gasloc_tests::{prepare_byte_data, start_bootstrap, Proc};
@@ -165,8 +166,8 @@ fn poison(round: u64, payload: &mut TensorSet, tensor: &str) {
 }
 
 impl RoundWork for Poisoner {
-    fn payload_table(&self) -> Vec<TensorSpec> {
-        self.inner.payload_table()
+    fn payload_tables(&self) -> PayloadTables {
+        self.inner.payload_tables()
     }
     fn state_table(&self) -> Vec<TensorSpec> {
         self.inner.state_table()

@@ -3,6 +3,8 @@
 #![allow(dead_code)]
 
 use gasloc_data::shards::{write_shard, TokenWidth};
+use gasloc_node::volunteer::{RunDataSource, Volunteer, VolunteerOptions};
+use gasloc_p2p::PeerId;
 use gasloc_proto::RunManifest;
 use std::path::{Path, PathBuf};
 
@@ -49,4 +51,28 @@ pub fn byte_data(dir: &Path) -> PathBuf {
     write_shard(&data.join("test_train_000000.bin"), &train, TokenWidth::U16).unwrap();
     write_shard(&data.join("test_val_000000.bin"), &val, TokenWidth::U16).unwrap();
     data
+}
+
+/// The options of a libtorch volunteer (the trainer behind `join`) of the run `run_text` in
+/// `home`, on the CPU with one thread, over [`byte_data`]; a checkpoint every
+/// `checkpoint_every` rounds under `home/checkpoints` (0: none).
+pub fn volunteer_options(home: &Path, run_text: &str, checkpoint_every: u64) -> VolunteerOptions {
+    std::fs::create_dir_all(home).unwrap();
+    let (_, manifest) = write_manifest(home, run_text);
+    VolunteerOptions {
+        manifest,
+        device: tch::Device::Cpu,
+        data: RunDataSource::Given(byte_data(home)),
+        checkpoints: home.join("checkpoints"),
+        checkpoint_every,
+        keep_checkpoints: 1,
+        eval_every: 0,
+        threads: 1,
+        peer: PeerId::random(),
+    }
+}
+
+/// A volunteer of [`volunteer_options`], started.
+pub fn start_volunteer(home: &Path, run_text: &str, checkpoint_every: u64) -> Volunteer {
+    Volunteer::start(volunteer_options(home, run_text, checkpoint_every)).unwrap()
 }
