@@ -11,7 +11,7 @@ use gasloc_tests::http_mirror::{HttpMirror, MirrorMode};
 use gasloc_tests::{
     bootstrap_command, fetching_join_command, field, http_get, join_command, pin_data,
     prepare_byte_data, prepare_byte_data_with, read_report, spawn_bootstrap, start_bootstrap,
-    tiny_run, Proc, ADAPTIVE_ONE_PEER,
+    tiny_run, Proc, ADAPTIVE_ONE_PEER, UNIFORM_LOSS,
 };
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -188,12 +188,20 @@ fn nodes_without_data_fetch_the_pinned_shards_from_the_swarm_and_train() {
     assert!(metrics.contains("gasloc_shards_held 2"), "{metrics}");
     for (i, node) in nodes.iter_mut().enumerate() {
         node.expect_success(Duration::from_secs(120));
-        // From ln(256) = 5.55 nats (an untrained model) to a fraction of it, and lower
-        // than after the first round at some point.
+        // From ln(256) = 5.55 nats (an untrained model) to a small fraction of it (the test
+        // text is a few sentences repeated: learnt, it costs 0.2–0.5 nats), and lower than
+        // after the first round at some point. A round's loss may jump on the way: three
+        // nodes on one-peer each train 50–90 steps a round on their own data order, and the
+        // mix of two of them with the outer momentum's overshoot was measured up to 1.85
+        // locally and 2.50 in CI (node3: 0.95, 2.50, 0.34, 0.19); never back to an
+        // untrained model's loss.
         let losses = val_losses(&home(i + 1));
         let best = losses.iter().cloned().fold(f64::INFINITY, f64::min);
         assert!(
-            losses.len() >= 2 && best < losses[0] && losses.iter().all(|&l| l < 2.5),
+            losses.len() >= 2
+                && best < losses[0]
+                && best < 1.5
+                && losses.iter().all(|&l| l < UNIFORM_LOSS),
             "node{}'s validation loss falls: {losses:?}",
             i + 1
         );
@@ -515,8 +523,10 @@ fn a_joiner_trains_on_its_first_shard_while_the_rest_arrive() {
     let best = losses.iter().cloned().fold(f64::INFINITY, f64::min);
     // On failure: what the joiner printed (its start, state sync and one line per round).
     let out = joiner.output();
+    // Below an untrained model's loss every round (a round's loss may jump on the way, as
+    // in the test above), and a small fraction of it at best.
     assert!(
-        losses.len() >= 4 && losses.iter().all(|&l| l < 2.5),
+        losses.len() >= 4 && losses.iter().all(|&l| l < UNIFORM_LOSS) && best < 1.5,
         "the joiner trains: {losses:?}\n{out}"
     );
     // A joiner that synced its partner's state starts where the swarm is (near the floor of
