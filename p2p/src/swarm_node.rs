@@ -125,6 +125,10 @@ struct Judged {
     /// With three sources or more, `‖θ_i − θ_median‖ / ‖θ_median‖`, the measure they are
     /// judged by.
     to_median: Option<Vec<f64>>,
+    /// With three sources or more, their coordinate-wise median and each one's anchor
+    /// distance to it, `‖θ_i − θ_median‖`: when every source is kept, the state the joiner
+    /// starts from and its spread, not computed twice.
+    median: Option<(TensorSet, Vec<f64>)>,
     fetched: Vec<FetchedState>,
 }
 
@@ -159,6 +163,7 @@ async fn judge_fetched(gate: GateConfig, fetched: Vec<FetchedState>) -> anyhow::
             }
         }
         let mut to_median_relative = None;
+        let mut median_of_all = None;
         let verdict = match n {
             0 => StateVerdict::Split,
             1 => StateVerdict::Unchecked,
@@ -184,7 +189,9 @@ async fn judge_fetched(gate: GateConfig, fetched: Vec<FetchedState>) -> anyhow::
                         );
                         to_median_relative =
                             Some(to_median.iter().map(|d| d / median_norm).collect());
-                        judge_against_median(&gate, median_norm, &to_median)
+                        let verdict = judge_against_median(&gate, median_norm, &to_median);
+                        median_of_all = Some((median, to_median));
+                        verdict
                     }
                     None => StateVerdict::Split,
                 }
@@ -194,6 +201,7 @@ async fn judge_fetched(gate: GateConfig, fetched: Vec<FetchedState>) -> anyhow::
             verdict,
             relative,
             to_median: to_median_relative,
+            median: median_of_all,
             fetched,
         }
     })
@@ -217,16 +225,30 @@ fn split_error(fetched: &[FetchedState], gate: &GateConfig) -> String {
 /// their coordinate-wise median (anchor and outer momentum alike: a source the bound let
 /// through moves no coordinate outside the range of the others); two, their mean, each one's
 /// outer momentum first clipped to the lower median of their norms ([`momentum_clip`]); one,
-/// that state as it is.
+/// that state as it is. `median_of_all` is [`Judged::median`]: when every fetched state is
+/// kept, it is that median, already made.
 async fn start_state_of(
     mut fetched: Vec<FetchedState>,
     kept: Vec<usize>,
+    median_of_all: Option<(TensorSet, Vec<f64>)>,
     refused: Vec<RefusedPayload>,
     disagreement: f64,
 ) -> anyhow::Result<SyncedState> {
     tokio::task::spawn_blocking(move || {
         let round = kept.iter().map(|&i| fetched[i].round).max().unwrap_or(0);
         let sources = kept.iter().map(|&i| fetched[i].peer).collect();
+        if let Some((state, to_median)) = median_of_all {
+            if kept.len() == fetched.len() && kept.len() >= 3 {
+                return Ok(SyncedState {
+                    round,
+                    state,
+                    sources,
+                    refused,
+                    disagreement,
+                    spread: kept.iter().map(|&i| to_median[i]).collect(),
+                });
+            }
+        }
         let state = if let [only] = kept[..] {
             fetched.swap_remove(only).state
         } else if kept.len() >= 3 {
@@ -536,7 +558,7 @@ impl JoinedNode {
                         .map(|(a, b)| relative[a][b])
                         .fold(0.0, f64::max);
                     return Ok(Some(
-                        start_state_of(fetched, kept, refused, disagreement).await?,
+                        start_state_of(fetched, kept, judged.median, refused, disagreement).await?,
                     ));
                 }
                 StateVerdict::Unchecked => {
@@ -544,7 +566,9 @@ impl JoinedNode {
                         peer = %fetched[0].peer,
                         "state sync: one source only; its state is not cross-checked"
                     );
-                    return Ok(Some(start_state_of(fetched, vec![0], refused, 0.0).await?));
+                    return Ok(Some(
+                        start_state_of(fetched, vec![0], None, refused, 0.0).await?,
+                    ));
                 }
                 StateVerdict::Split => {
                     if asked == peers.len() && peers.len() < MAX_STATE_PEERS_ASKED {
