@@ -16,7 +16,7 @@
 //! factors do not match the manifest's ranks is refused by the exchange before any byte of
 //! it is decoded.
 
-use crate::algo::lordo::{side_and_rank, LowRankState};
+use crate::algo::lordo::LowRankState;
 use crate::algo::payload::{encode_lordo, factor_names, LordoPart};
 use crate::volunteer::{from_wire, tensor_spec, to_wire};
 use anyhow::{bail, Result};
@@ -71,13 +71,7 @@ impl LordoWire {
     ) -> Self {
         let ranks = names
             .iter()
-            .zip(shapes)
-            .map(|(name, shape)| {
-                projected
-                    .iter()
-                    .find(|s| s.name == *name)
-                    .map(|s| side_and_rank(shape, s.rank() as usize).1)
-            })
+            .map(|name| projected.iter().find(|s| s.name == *name).map(|s| s.rank()))
             .collect();
         let payload_error = shapes
             .iter()
@@ -177,7 +171,9 @@ impl LordoWire {
     /// by the exchange (names, shapes and dtypes in table order); an error names the tensor.
     pub fn decode(&self, round: u64, set: &TensorSet, device: Device) -> Result<DecodedLordo> {
         let full_sync = self.is_full_sync(round);
-        let expected = self.tables().for_round(round).len();
+        // One tensor per parameter, one more per factored matrix, the anchor on full sync.
+        let factored = self.ranks.iter().filter(|r| r.is_some()).count();
+        let expected = self.names.len() * (1 + usize::from(full_sync)) + factored;
         if set.tensors.len() != expected {
             bail!(
                 "a lordo payload of {} tensors, not the {expected} of round {round}'s table",
