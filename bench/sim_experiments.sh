@@ -4,11 +4,13 @@
 #
 # usage: [SIM_ROUNDS_H30=12] [SIM_ROUNDS_H1=150] bench/sim_experiments.sh [1 2 3 4 5 …]  (default: 1–5)
 #        [SIM_SWEEP_TOPOLOGIES="one-peer two-peer"] bench/sim_experiments.sh 2sweep  (η × μ at H = 1)
+#        bench/sim_experiments.sh 2best  (DAdam vs GASLoC η 1, μ 0.3 on the four topologies)
+#        SIM_MODEL=demo bench/sim_experiments.sh 4demo  (LoRDO rank d/8 vs DiLoCo, demo shape)
 #        [SIM_ROUNDS_OVERLAP=30] [SIM_SEEDS="1234 99"] [SIM_LINKS="one-peer:8 two-peer:16"]
 #        [SIM_MODES="none delayed eager"] [SIM_MODEL=demo] bench/sim_experiments.sh 6
 #        (overlapped rounds; SIM_MODEL=demo: the demo model's shape, d 128, 4 layers, instead
 #        of the tiny one, same data settings)
-# Writes runs/exp/<name>/ (rounds.csv, workers.csv, rounds.json, summary.md, loss.svg) and the
+# Writes runs/exp/<name>[-demo][-seedS]/ (rounds.csv, workers.csv, rounds.json, summary.md, loss.svg) and the
 # manifests it generated in runs/exp/manifests/. Each experiment takes minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,10 +36,14 @@ manifest() {
   echo "$path"
 }
 
-# sim NAME ROUNDS DECAY OUTER [LORDO] [-- extra sim flags]
+# sim NAME ROUNDS DECAY OUTER [LORDO] [-- extra sim flags]. The run's name (its manifest and
+# output directory) gets "-demo" with SIM_MODEL=demo and "-seedS" with a SIM_SEED other than
+# 1234, so runs of other shapes and seeds sit beside each other.
 sim() {
   local name=$1 rounds=$2 decay=$3 outer=$4 lordo=${5:-}
   shift 5 || shift $#
+  [ "${SIM_MODEL:-tiny}" = demo ] && name+=-demo
+  [ "${SIM_SEED:-1234}" != 1234 ] && name+=-seed$SIM_SEED
   local run; run=$(manifest "$name" "$decay" "$outer" "$lordo")
   echo "== $name"
   "$node" sim --run "$run" --data "$data" --workers 8 --rounds "$rounds" --out "$out/$name" \
@@ -75,6 +81,16 @@ exp2sweep() { # H = 1: GASLoC's outer lr and momentum, η ∈ {0.5, 1} × μ ∈
   done
 }
 
+exp2best() { # H = 1: DAdam against GASLoC's best outer settings of the sweep (η 1, μ 0.3) on the
+  # four topologies (docs/results.md §2, at SIM_ROUNDS_H1=500)
+  local t
+  for t in one-peer two-peer ring complete; do
+    sim "e2-dadam-$t" "$r1" "$r1" "algorithm = \"dadam\"\ntopology = \"$t\"" '' --eval-every 50
+    sim "e2-gasloc-$t-eta1.0-mu0.3" "$r1" "$r1" \
+      "topology = \"$t\"\ninner_steps = 1\nlr = 1.0\nmomentum = 0.3" '' --eval-every 50
+  done
+}
+
 exp3() { # outer momentum as gossip acceleration: consensus per round, one-peer, H = 30 (μ = 0.9 is e1-gasloc-one-peer)
   # 3b: a pure disagreement under repeated mixing (no local steps), n = 8, 32, 128
   cargo test -q -p gasloc-node --bench gossip_contraction -- 3000 1,2 | tee "$out/e3-contraction.md"
@@ -108,6 +124,14 @@ exp4() { # LoRDO. Global projection (the paper's and the authors' code): DiLoCo'
   sim e4-gasloc-two-peer-bf16 "$r30" "$d30" 'topology = "two-peer"\ninner_steps = 30\npayload = "model-bf16"' ''
 }
 
+exp4demo() { # the demo-size pair of experiment 4 (run with SIM_MODEL=demo: d 128, so rank 16 = d/8):
+  # LoRDO's global projection in the authors' regime against full-rank DiLoCo
+  sim e4-lordo-global-r16-authors-regime "$r30" "$d30" \
+    'algorithm = "diloco"\ninner_steps = 30\ninner_optimizer = "lordo"' \
+    'rank = 16\nomega = 0.97\nregime = "authors"' --eval-every 10
+  sim e1-diloco "$r30" "$d30" 'algorithm = "diloco"\ninner_steps = 30' '' --eval-every 10
+}
+
 exp5() { # stragglers: one worker at 10 % / 20 % bandwidth; fixed 20 ms simulated step time
   for f in 0.1 0.2; do
     sim "e5-diloco-s$f" "$r30" "$d30" 'algorithm = "diloco"\ninner_steps = 30' '' --straggler "3:$f" --step-time-ms 20
@@ -127,7 +151,7 @@ exp6() { # overlapped rounds: none / delayed / eager on one-peer and two-peer; 2
   for seed in ${SIM_SEEDS:-1234}; do
     for t in ${SIM_LINKS:-one-peer:8 two-peer:16}; do
       for mode in ${SIM_MODES:-none delayed eager}; do
-        SIM_SEED=$seed sim "e6-${SIM_MODEL:-tiny}-${t%%:*}-$mode-seed$seed" "$ro" $((ro * 30)) \
+        SIM_SEED=$seed sim "e6-${t%%:*}-$mode" "$ro" $((ro * 30)) \
           "topology = \"${t%%:*}\"\ninner_steps = 30\noverlap = \"$mode\"" '' \
           --step-time-ms 25 --bandwidth-mbps "${t##*:}" --latency-ms 20 --eval-every 5
       done
