@@ -108,6 +108,7 @@ bench: setup
 	bench/round_scale
 	bash bench/straggler.sh target/release $(DATA)/shakespeare-byte
 	bash bench/overlap.sh target/release $(DATA)/shakespeare-byte
+	$(if $(shell command -v nvidia-smi),bash bench/overlap_gpu.sh target/release $(DATA)/shakespeare-gpt2,@echo "bench/overlap_gpu: skipped (no GPU)")
 	bash bench/gate_cost.sh target/release $(DATA)/shakespeare-byte
 
 # The decoders that meet a stranger's bytes, under cargo-fuzz (nightly, libFuzzer), one

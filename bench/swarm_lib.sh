@@ -7,6 +7,7 @@
 # 1's, may be empty), or LINKS=caps (loopback, every node's upload capped by
 # --max-upload-rate) with cap_rate / cap_slow (bytes/s; node 1 gets cap_slow).
 # swarm_pick_links chooses LINKS when it is not set: netns as root with the tools, else caps.
+# Nodes train with --device ${NODE_DEVICE:-cpu} --threads ${NODE_THREADS:-1}.
 # Traffic stays on loopback or inside the namespaces the harness creates and removes.
 
 swarm_pids=()
@@ -62,7 +63,8 @@ swarm_config() {
     BOOTSTRAP_ARGS="--round-period-ms $period --commit-window-ms 500 --reveal-window-ms 500 --exchange-timeout-ms $timeout" \
       TIMEOUT_S=$((seconds + 60)) bash "$(dirname "${BASH_SOURCE[0]}")/../deploy/netns-swarm.sh" "$bin" \
       "$dir/run.toml" "$dir" "$nodes" "$tbf_rate" ${tbf_slow:+"$tbf_slow"} -- --data "$(realpath "$data")" \
-      --device cpu --threads 1 --rounds $((seconds * 1000 / period)) >"$dir/harness.log" 2>&1 || true
+      --device "${NODE_DEVICE:-cpu}" --threads "${NODE_THREADS:-1}" --rounds $((seconds * 1000 / period)) \
+      >"$dir/harness.log" 2>&1 || true
   else
     swarm_pids=()
     "$bin/gasloc-bootstrap" --run "$dir/run.toml" --listen /ip4/127.0.0.1/udp/0/quic-v1 \
@@ -78,7 +80,7 @@ swarm_config() {
       [ "$i" = 1 ] && rate=${cap_slow:-$cap_rate}
       mkdir -p "$dir/node$i"
       "$bin/gasloc-node" join --bootstrap "$boot" --data "$data" --home "$dir/node$i" \
-        --listen /ip4/127.0.0.1/udp/0/quic-v1 --device cpu --threads 1 \
+        --listen /ip4/127.0.0.1/udp/0/quic-v1 --device "${NODE_DEVICE:-cpu}" --threads "${NODE_THREADS:-1}" \
         --max-upload-rate "$rate" --report "$dir/node$i/rounds.jsonl" \
         >"$dir/node$i/stdout.log" 2>"$dir/node$i/stderr.log" &
       swarm_pids+=($!)

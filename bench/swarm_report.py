@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """bench/swarm_report: what a swarm benchmark's configurations did, from their round records.
 
-usage: swarm_report.py OUT_DIR REFERENCE CONFIG [CONFIG ...]
+usage: swarm_report.py [--tokens-per-step N] OUT_DIR REFERENCE CONFIG [CONFIG ...]
 
 Each configuration's directory OUT_DIR/<config>/ holds `period_ms` (the round period) and
 node*/rounds.jsonl (`gasloc-node join --report`). A round's validation loss counts at the
@@ -15,7 +15,9 @@ from each node's second round on (`steady`: a node's first round also holds its 
 with overlapped rounds, an exchange that no earlier round's steps hid), the idle share
 (1 − utilisation), the share of round time spent waiting for the exchange (`wait_s` over
 `round_s`), inner steps, the exchanges that failed or were refused out of those the rounds
-planned, and each configuration's time-to-target ratio against REFERENCE.
+planned, and each configuration's time-to-target ratio against REFERENCE. With
+--tokens-per-step (sequence length x micro-batch x accumulation), also the tokens per second of
+one node (the nodes' mean, steady rounds): over wall time, and over the trainer's busy time.
 """
 import glob
 import json
@@ -25,14 +27,17 @@ import sys
 def load(out, config):
     period = int(open(f"{out}/{config}/period_ms").read()) / 1000
     points = {}  # round -> [(round_s, val_loss)]
-    totals = dict(steps=0.0, wait=0.0, round=0.0, train=0.0, wall=0.0, steady_train=0.0, steady_wall=0.0, planned=0, failed=0)
+    totals = dict(steps=0.0, wait=0.0, round=0.0, train=0.0, wall=0.0, steady_train=0.0, steady_wall=0.0, steady_steps=0.0, planned=0, failed=0)
+    steady = []  # the records of every node's rounds after its first
     nodes = sorted(glob.glob(f"{out}/{config}/node*/rounds.jsonl"))
     for path in nodes:
         for i, line in enumerate(open(path)):
             r = json.loads(line)
             if i > 0:
+                steady.append(r)
                 totals["steady_train"] += r.get("train_s", 0.0)
                 totals["steady_wall"] += r.get("wall_s", 0.0)
+                totals["steady_steps"] += r["inner_steps"]
             totals["steps"] += r["inner_steps"]
             totals["planned"] += len(r.get("neighbours", []))
             totals["failed"] += len(r.get("failed", [])) + len(r.get("refused", []))
@@ -48,13 +53,22 @@ def load(out, config):
         losses = [v for _, v in points[rnd]]
         if len(losses) >= max(1, len(nodes) - 1):
             curve.append((rnd * period + max(ends), sum(losses) / len(losses)))
-    return dict(curve=curve, nodes=len(nodes), **totals)
+    return dict(curve=curve, nodes=len(nodes), steady=steady, **totals)
+
+
+def median(values):
+    values = sorted(values)
+    return values[len(values) // 2] if values else float("nan")
 
 
 def main():
-    if len(sys.argv) < 4:
+    args = sys.argv[1:]
+    tokens_per_step = None
+    if args[:1] == ["--tokens-per-step"]:
+        tokens_per_step, args = int(args[1]), args[2:]
+    if len(args) < 3:
         sys.exit(__doc__)
-    out, reference, configs = sys.argv[1], sys.argv[2], sys.argv[3:]
+    out, reference, configs = args[0], args[1], args[2:]
     runs = {c: load(out, c) for c in configs}
     empty = [c for c, r in runs.items() if not r["curve"]]
     if empty:
@@ -72,6 +86,19 @@ def main():
             f"  {c:24s} time to target {reached[c]:6.1f} s   best mean val_loss {best:.4f}   "
             f"utilisation {util:.3f} (steady {steady:.3f})   idle share {1 - util:5.1%}   exchange wait {wait:5.1%}   "
             f"inner steps {r['steps']:.0f}   failed exchanges {r['failed']}/{r['planned']}"
+        )
+        if tokens_per_step and r["steady_wall"] and r["steady_train"]:
+            tokens = r["steady_steps"] * tokens_per_step
+            print(
+                f"  {'':24s} tokens/s per node (steady): {tokens / r['steady_wall']:9.0f} over wall time, "
+                f"{tokens / r['steady_train']:9.0f} while training"
+            )
+        rounds = r["steady"]
+        print(
+            f"  {'':24s} steady rounds' medians: H_i {median([x['inner_steps'] for x in rounds]):.0f}, "
+            f"step {median([x['step_time_s'] for x in rounds]):.3f} s, exchange {median([x['exchange_s'] for x in rounds]):.2f} s "
+            f"(transfer {median([x['transfer_s'] for x in rounds]):.2f} s), round {median([x['round_s'] for x in rounds]):.2f} s, "
+            f"sent {median([x['bytes_sent'] for x in rounds]) / 1e6:.1f} MB"
         )
     for c in configs:
         if c != reference:

@@ -7,6 +7,8 @@ same run manifest and the same token shards. Prints one line: `tokens_per_s` (wa
 steps are not timed).
 
 usage: train_reference.py --run RUN.toml --data DIR --steps N [--warmup W] [--device cpu]
+
+On CUDA it computes in bf16 (autocast) unless the manifest's `model.cuda_compute` is fp32.
 """
 import argparse
 import glob
@@ -162,6 +164,9 @@ def main():
         lr=o.get("lr", 4e-4), betas=(o.get("beta1", 0.9), o.get("beta2", 0.95)),
         eps=o.get("eps", 1e-8),
     )
+    # On CUDA the forward and backward run in bf16 under autocast unless the manifest says
+    # fp32 (`cuda_compute`), as gasloc's model casts each weight to bf16 where it is used.
+    bf16 = args.device.startswith("cuda") and run.get("model", {}).get("cuda_compute", "bf16") == "bf16"
     tokens = torch.from_numpy(load_tokens(args.data))
     window = seq + 1
     n_windows = len(tokens) // window
@@ -173,7 +178,8 @@ def main():
             idx = [(cursor + r) % n_windows for r in range(rows)]
             cursor += rows
             batch = torch.stack([tokens[i * window:(i + 1) * window] for i in idx]).to(args.device)
-            loss = model(batch[:, :-1], batch[:, 1:]) / accum
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                loss = model(batch[:, :-1], batch[:, 1:]) / accum
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.get("grad_clip", 1.0))
         opt.step()
