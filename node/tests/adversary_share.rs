@@ -1,15 +1,23 @@
 //! A share of the swarm attacking: a bootstrap process, honest `gasloc-node join` processes
 //! and in-process adversaries (`adversaries/mod.rs`) on the complete topology (DiLoCo), with
-//! the cosine floor that topology allows (`[gate] min_cosine = 0.2`; honest cosines measured
-//! ≥ 0.55 there). Four runs: 6 honest nodes alone, then the same 6 (same identities, so the same data)
-//! with 2 adversaries (25 %: a sign-flipped and a random-direction pseudo-gradient), one of the
-//! six on a tenth of the others' upload bandwidth in both runs; 5 of them
-//! alone, then with 3 (37.5 %: a stale model, NaN / × 1000, a sign flip). In each attacked run no honest node
-//! mixes a poisoned payload; every adversary is refused by every honest node it meets from its
-//! first poisoned round, and banned by it within 3 pairings; no honest node is refused or
-//! banned by anyone; and every honest node's validation loss stays within 0.5 nats of the
-//! same nodes' alone at the same round (the figures are printed; the goal of 3 % cannot be
-//! told from noise at this scale: see `docs/security.md`).
+//! the cosine floor that topology allows (`[gate] min_cosine = 0.05`: honest cosines fall as
+//! training goes on, to 0.10 by round 15 on Shakespeare, where 0.2 refused an honest node;
+//! sign flips lie below 0, random directions at about 0). Four runs: 6 honest nodes alone,
+//! then the same 6 (same identities, so the same data) with 2 adversaries (25 %: a
+//! sign-flipped and a random-direction pseudo-gradient), one of the six on a tenth of the
+//! others' upload bandwidth in both runs; 5 of them alone, then with 3 (37.5 %: a stale
+//! model, NaN / × 1000, a sign flip). In each attacked run no honest node mixes a poisoned
+//! payload; every adversary is refused by every honest node it meets from its first poisoned
+//! round, and banned by it within 3 pairings; no honest node is refused or banned by anyone;
+//! and every honest node's validation loss stays within 0.5 nats of the same nodes' alone at
+//! the same round (the figures are printed; on the tests' six sentences the goal of 3 %
+//! cannot be told from noise: see `docs/security.md`).
+//!
+//! On real text it measures that goal: with `GASLOC_ADVERSARY_DATA` naming byte shards (an
+//! absolute path, such as `$PWD/datasets/shakespeare-byte` from `make setup`) and
+//! `GASLOC_ADVERSARY_ROUNDS=16` (default 7) it prints the gaps against that goal and asserts
+//! every honest loss within 5 % of the same nodes' alone at the same round (two runs alone
+//! differ by up to 3.5 % there).
 
 mod adversaries;
 
@@ -19,13 +27,21 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-const ROUNDS: u64 = 7;
+/// Rounds per run: `$GASLOC_ADVERSARY_ROUNDS`, else 7.
+fn rounds() -> u64 {
+    std::env::var("GASLOC_ADVERSARY_ROUNDS")
+        .map(|r| {
+            r.parse()
+                .expect("GASLOC_ADVERSARY_ROUNDS is a number of rounds")
+        })
+        .unwrap_or(7)
+}
 /// Genesis delay, period, commit/reveal windows, exchange timeout (ms): eight libtorch
 /// trainers share two cores.
 const TIMING: [u64; 4] = [15_000, 5_000, 500, 2_500];
 
 fn manifest() -> String {
-    format!("{}[gate]\nmin_cosine = 0.2\n", adversaries::manifest())
+    format!("{}[gate]\nmin_cosine = 0.05\n", adversaries::manifest())
 }
 
 /// The 25 % runs' upload caps (`--max-upload-rate`), one per honest node: the sixth on a
@@ -43,9 +59,10 @@ async fn run(
     poisons: &[Poison],
     caps: &[&str],
 ) -> (Vec<(Vec<Value>, Value)>, Vec<String>) {
-    let mut swarm = Swarm::start(&manifest(), poisons, ROUNDS, TIMING).await;
+    let mut swarm = Swarm::start(&manifest(), poisons, rounds(), TIMING).await;
     let (dir, data, boot) = (swarm.dir.clone(), swarm.data.clone(), swarm.boot.clone());
-    let rounds = ROUNDS.to_string();
+    let wait = Duration::from_secs(170 + 10 * rounds());
+    let rounds = rounds().to_string();
     let homes: Vec<_> = (1..=honest).map(|i| dir.join(format!("node{i}"))).collect();
     let spawned = homes.clone();
     let keys = keys.to_path_buf();
@@ -69,7 +86,7 @@ async fn run(
             })
             .collect();
         for node in &mut nodes {
-            node.expect_success(Duration::from_secs(240));
+            node.expect_success(wait);
         }
     })
     .await
@@ -104,7 +121,7 @@ fn check(run: &str, nodes: &[(Vec<Value>, Value)], adversaries: &[String], modes
     for (n, (records, bans)) in nodes.iter().enumerate() {
         let node = format!("{run} node{}", n + 1);
         assert!(
-            records.len() as u64 >= ROUNDS - 1,
+            records.len() as u64 >= rounds() - 1,
             "{node}: {} rounds",
             records.len()
         );
@@ -174,6 +191,29 @@ fn check(run: &str, nodes: &[(Vec<Value>, Value)], adversaries: &[String], modes
     }
 }
 
+/// Prints the lowest cosine the gate measured between two honest nodes' pseudo-gradients in
+/// a run, and its round: the margin under which `[gate] min_cosine` must stay.
+fn print_lowest_honest_cosine(run: &str, nodes: &[(Vec<Value>, Value)], adversaries: &[String]) {
+    let mut lowest: Option<(f64, u64)> = None;
+    for (records, _) in nodes {
+        for r in records {
+            for reading in r["gate"].as_array().into_iter().flatten() {
+                let honest = !adversaries.iter().any(|a| reading["peer"] == a.as_str());
+                if let (true, Some(cosine)) = (honest, reading["cosine"].as_f64()) {
+                    if lowest.is_none_or(|(c, _)| cosine < c) {
+                        lowest = Some((cosine, r["round"].as_u64().unwrap()));
+                    }
+                }
+            }
+        }
+    }
+    if let Some((cosine, round)) = lowest {
+        eprintln!(
+            "{run}: lowest cosine between honest pseudo-gradients {cosine:.4} (round {round})"
+        );
+    }
+}
+
 fn val_losses(nodes: &[(Vec<Value>, Value)]) -> BTreeMap<u64, Vec<f64>> {
     let mut by_round: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
     for (records, _) in nodes {
@@ -235,6 +275,7 @@ async fn a_quarter_and_three_eighths_of_the_swarm_attacking_leave_the_honest_tra
             }
             assert!(bans.is_null(), "{run} node{} banned someone: {bans}", n + 1);
         }
+        print_lowest_honest_cosine(run, nodes, &[]);
         val_losses(nodes)
     };
 
@@ -244,6 +285,7 @@ async fn a_quarter_and_three_eighths_of_the_swarm_attacking_leave_the_honest_tra
     let alone = reference_of(&run(keys.path(), 6, &[], caps).await.0, "six alone");
     let quarter = [Poison::SignFlip, Poison::RandomDirection];
     let (nodes, adversaries) = run(keys.path(), 6, &quarter, caps).await;
+    print_lowest_honest_cosine("25 %", &nodes, &adversaries);
     check("25 %", &nodes, &adversaries, &quarter);
     // The node on a tenth of the bandwidth still delivers: the others mix its model.
     let slow = nodes[5].0[0]["peer"].as_str().unwrap().to_string();
@@ -258,7 +300,7 @@ async fn a_quarter_and_three_eighths_of_the_swarm_attacking_leave_the_honest_tra
             records.len()
         );
         assert!(
-            mixed as u64 >= ROUNDS / 2,
+            mixed as u64 >= rounds() / 2,
             "node{} mixed the slow node in {mixed} rounds only",
             n + 1
         );
@@ -269,6 +311,7 @@ async fn a_quarter_and_three_eighths_of_the_swarm_attacking_leave_the_honest_tra
     let alone = reference_of(&run(keys.path(), 5, &[], &[]).await.0, "five alone");
     let three_eighths = [Poison::Stale, Poison::Payloads, Poison::SignFlip];
     let (nodes, adversaries) = run(keys.path(), 5, &three_eighths, &[]).await;
+    print_lowest_honest_cosine("37.5 %", &nodes, &adversaries);
     check("37.5 %", &nodes, &adversaries, &three_eighths);
     let (gap_37, nats_37, rounds_37) = worst_gap("37.5 %", &val_losses(&nodes), &alone);
 
@@ -290,4 +333,20 @@ async fn a_quarter_and_three_eighths_of_the_swarm_attacking_leave_the_honest_tra
         nats_37 <= 0.5,
         "37.5 %: an honest loss {nats_37:.3} nats off"
     );
+    // On real text the goal, 3 %, is measured (the figures above). Two runs of the same
+    // honest swarm alone differed by up to 3.5 % at the same round there (docs/security.md),
+    // so what is asserted is 5 %: far below any poison that reaches a model, and above the
+    // runs' own spread.
+    if std::env::var_os("GASLOC_ADVERSARY_DATA").is_some() {
+        assert!(
+            gap_25 <= 0.05,
+            "25 %: an honest loss {:.2} % off",
+            gap_25 * 100.0
+        );
+        assert!(
+            gap_37 <= 0.05,
+            "37.5 %: an honest loss {:.2} % off",
+            gap_37 * 100.0
+        );
+    }
 }

@@ -313,12 +313,18 @@ impl Swarm {
     }
 
     /// `timing`: genesis delay, period, commit and reveal windows, exchange timeout (ms).
+    /// The data: the byte shards in `$GASLOC_ADVERSARY_DATA` when it is set (real text, such
+    /// as `make setup`'s `datasets/shakespeare-byte`), else the tests' six-sentence corpus.
     pub async fn start(manifest: &str, poisons: &[Poison], rounds: u64, timing: [u64; 4]) -> Swarm {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().to_path_buf();
         let path = dir.join("run.toml");
         std::fs::write(&path, manifest).unwrap();
-        let data = prepare_byte_data(&dir);
+        let data = match std::env::var_os("GASLOC_ADVERSARY_DATA") {
+            Some(given) => std::fs::canonicalize(&given)
+                .unwrap_or_else(|e| panic!("GASLOC_ADVERSARY_DATA={given:?}: {e}")),
+            None => prepare_byte_data(&dir),
+        };
         let [genesis, period, window, exchange] = timing;
         let (bootstrap, boot) = start_bootstrap(&dir, &path, genesis, period, window, exchange);
         let (mut adversaries, mut tasks) = (Vec::new(), Vec::new());
