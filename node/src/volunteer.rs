@@ -258,6 +258,9 @@ struct RoundTrainer {
     checkpoint_at_hand_off: Option<Checkpoint>,
     /// Requests that came while a round trained and must wait for its end.
     deferred: VecDeque<Request>,
+    /// Neighbours' models (`model-*` payloads) the gate accepted, by round and peer, as it
+    /// decoded them: the outer step mixes these instead of decoding the payload again.
+    accepted_models: Vec<(u64, PeerId, Vec<Tensor>)>,
 }
 
 impl RoundTrainer {
@@ -367,6 +370,7 @@ impl RoundTrainer {
             },
             checkpoint_at_hand_off: None,
             deferred: VecDeque::new(),
+            accepted_models: Vec::new(),
             options,
         })
     }
@@ -575,6 +579,8 @@ impl RoundTrainer {
             .sqrt();
         let device = self.trainer.device();
         let mut measured = Vec::with_capacity(candidates.len());
+        // Each candidate's decoded model (model payloads), kept if the gate accepts it.
+        let mut decoded: Vec<Option<Vec<Tensor>>> = Vec::with_capacity(candidates.len());
         for candidate in &candidates {
             let stats = match &self.lordo_wire {
                 Some(wire) => lordo_differences(wire, round, &candidate.tensors, &anchor, device)
@@ -583,34 +589,42 @@ impl RoundTrainer {
                         measure(named, &own_delta, own_distance)
                     }),
                 None => {
-                    let differences = candidate
-                        .tensors
-                        .tensors
+                    let wires = &candidate.tensors.tensors;
+                    let models = wires
                         .iter()
                         .zip(&self.shapes)
-                        .zip(&anchor)
-                        .map(|((wire, shape), anchor)| {
-                            // `θ_i − x_j`, made in the decoded tensor's own buffer.
-                            let mut d = from_wire(wire, shape, device)
-                                .map_err(|e| malformed(&wire.name, e))?;
-                            let _ = d.neg_().g_add_(anchor);
-                            Ok((wire.name.clone(), d))
-                        });
-                    measure(differences, &own_delta, own_distance)
+                        .map(|(wire, shape)| {
+                            from_wire(wire, shape, device).map_err(|e| malformed(&wire.name, e))
+                        })
+                        .collect::<Result<Vec<_>, _>>();
+                    let stats = models.as_ref().map_err(Clone::clone).and_then(|models| {
+                        // `θ_i − x_j`, tensor by tensor.
+                        let differences = wires
+                            .iter()
+                            .zip(models)
+                            .zip(&anchor)
+                            .map(|((wire, x), a)| Ok((wire.name.clone(), a - x)));
+                        measure(differences, &own_delta, own_distance)
+                    });
+                    decoded.push(models.ok());
+                    stats
                 }
             };
             measured.push(stats);
         }
+        decoded.resize_with(candidates.len(), || None);
         let stats: Vec<PayloadStats> = measured
             .iter()
             .filter_map(|m| m.as_ref().ok().cloned())
             .collect();
         let reference = self.gate.reference(own_distance);
         let mut judged = self.gate.judge_round(own_distance, &stats).into_iter();
+        let accepted_models = &mut self.accepted_models;
         let screened = candidates
             .into_iter()
             .zip(measured)
-            .map(|(candidate, measured)| {
+            .zip(decoded)
+            .map(|((candidate, measured), models)| {
                 let (verdict, reading) = match measured {
                     Ok(stats) => (
                         judged.next().expect("one verdict per measured payload"),
@@ -623,6 +637,9 @@ impl RoundTrainer {
                     ),
                     Err(refusal) => (Err(refusal), None),
                 };
+                if let (Ok(()), Some(models)) = (&verdict, models) {
+                    accepted_models.push((round, candidate.peer, models));
+                }
                 Screened {
                     candidate,
                     verdict,
@@ -662,19 +679,32 @@ impl RoundTrainer {
             None => None,
         };
         let mut models: Vec<(usize, Vec<Tensor>)> = Vec::with_capacity(received.payloads.len());
+        // The models the gate decoded and accepted for this round (older ones — accepted,
+        // then left out of the mix — are dropped).
+        let round = received.round;
+        let mut accepted = std::mem::take(&mut self.accepted_models);
+        accepted.retain(|(r, _, _)| *r >= round);
         if lordo.is_none() {
             for arrived in &received.payloads {
-                let decoded = arrived
-                    .tensors
-                    .tensors
+                let kept = accepted
                     .iter()
-                    .zip(&self.shapes)
-                    .map(|(t, shape)| from_wire(t, shape, device))
-                    .collect::<Result<Vec<_>>>()
-                    .with_context(|| format!("decoding the model from {}", arrived.peer))?;
+                    .position(|(r, peer, _)| *r == round && *peer == arrived.peer);
+                let decoded = match kept {
+                    Some(k) => accepted.swap_remove(k).2,
+                    None => arrived
+                        .tensors
+                        .tensors
+                        .iter()
+                        .zip(&self.shapes)
+                        .map(|(t, shape)| from_wire(t, shape, device))
+                        .collect::<Result<Vec<_>>>()
+                        .with_context(|| format!("decoding the model from {}", arrived.peer))?,
+                };
                 models.push((arrived.index, decoded));
             }
         }
+        accepted.retain(|(r, _, _)| *r > round);
+        self.accepted_models = accepted;
         // The row is the round machine's: every neighbour term has its payload. Term
         // `mixing.worker` (and, should a payload ever be missing, that term too — which is
         // its weight returned to self) is this node's own model.

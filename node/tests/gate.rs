@@ -4,15 +4,16 @@
 
 mod common;
 
-use common::{byte_data, start_volunteer, write_manifest, TINY_RUN};
+use common::{byte_data, start_volunteer, volunteer_options, write_manifest, TINY_RUN};
 use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::WorkerSlot;
 use gasloc_node::trainer::Trainer;
 use gasloc_node::volunteer::Volunteer;
 use gasloc_p2p::network::unix_ms;
 use gasloc_p2p::tensors::TensorSet;
-use gasloc_p2p::work::{Candidate, RoundWork, TrainDeadline, TrainOrder};
+use gasloc_p2p::work::{Arrived, Candidate, Received, RoundWork, TrainDeadline, TrainOrder};
 use gasloc_p2p::PeerId;
+use gasloc_proto::topology::MixingRow;
 use gasloc_proto::wire::DType;
 use std::path::Path;
 use std::sync::Arc;
@@ -111,6 +112,50 @@ async fn the_gate_takes_an_honest_model_and_refuses_poisoned_ones_by_name() {
         floats(&screened[0].candidate.tensors, "lm_head.weight")[0],
         f32::INFINITY
     );
+}
+
+/// The gate decodes a neighbour's model once and the outer step mixes the model it kept: the
+/// state after screening and finishing is bit for bit the one a twin reaches that finishes
+/// the same round without screening (decoding the payload itself).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_outer_step_mixes_the_model_the_gate_decoded_bit_for_bit() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    // The same peer id: the same data stream.
+    let me = PeerId::random();
+    let start = |name: &str| {
+        let mut options = volunteer_options(&dir.path().join(name), &run_text(""), 0);
+        options.peer = me;
+        Volunteer::start(options).unwrap()
+    };
+    let (mut a, mut twin) = (start("a"), start("twin"));
+    let own = train(&mut a).await;
+    assert_eq!(
+        train(&mut twin).await,
+        own,
+        "the twin trains the same model"
+    );
+    let sent = with_floats(&own, "model.norm.weight", |_, v| v * 1.01);
+    let peer = PeerId::random();
+    let candidates = vec![Candidate {
+        peer,
+        tensors: sent.clone(),
+    }];
+    let screened = a.screen(0, candidates).await.unwrap();
+    assert!(screened[0].verdict.is_ok(), "{:?}", screened[0].verdict);
+    let received = || Received {
+        round: 0,
+        mixing: MixingRow::uniform(0, &[1]),
+        payloads: vec![Arrived {
+            index: 1,
+            peer,
+            tensors: sent.clone(),
+        }],
+        want_state: true,
+    };
+    let screened_then_mixed = a.finish(received()).await.unwrap().state.unwrap();
+    let decoded_and_mixed = twin.finish(received()).await.unwrap().state.unwrap();
+    assert!(screened_then_mixed == decoded_and_mixed);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
