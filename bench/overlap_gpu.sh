@@ -7,7 +7,7 @@
 # parameters, bf16 compute, fp32 master weights) on the Shakespeare GPT-2 shards, 32 768
 # tokens per optimizer step, one-peer, adaptive H_i, a `model-bf16` payload (248 MB). Every
 # node's upload is capped (--max-upload-rate) so that one blocking exchange takes about 40 %
-# of a round. The configurations (`none` then `delayed` by default) run one after the other
+# of a round. The configurations (`none`, `delayed`, `eager` by default) run one after the other
 # for the same wall-clock time; bench/swarm_report.py prints each one's utilisation, idle
 # share and tokens/s per node (over wall time and while training).
 #
@@ -17,21 +17,21 @@
 #
 # usage: bench/overlap_gpu.sh [bin dir] [data dir] [seconds per configuration] [configurations]
 #   environment: NODE_DEVICE (cuda:0), SIZE (125m), TOKENIZER (gpt2), SEQ_LEN (1024),
-#   MICRO_BATCH (8), GRAD_ACCUM (4), PERIOD_MS (20000), CAP (upload cap, bytes/s: 31000000),
+#   MICRO_BATCH (8), GRAD_ACCUM (4), PERIOD_MS (15000), CAP (upload cap, bytes/s: 41000000),
 #   EXCHANGE_TIMEOUT_MS (period − 2 s). The defaults are the GPU run's; with NODE_DEVICE=cpu,
 #   SIZE=tiny, TOKENIZER=byte and small batches the same script checks itself on a CPU.
 set -euo pipefail
 bin=${1:-target/release}
 data=${2:-datasets/shakespeare-gpt2}
-seconds=${3:-120}
-configs=${4:-none delayed}
+seconds=${3:-90}
+configs=${4:-none delayed eager}
 nodes=2
 export NODE_DEVICE=${NODE_DEVICE:-cuda:0} NODE_THREADS=${NODE_THREADS:-4}
 size=${SIZE:-125m} tokenizer=${TOKENIZER:-gpt2}
 seq_len=${SEQ_LEN:-1024} micro_batch=${MICRO_BATCH:-8} grad_accum=${GRAD_ACCUM:-4}
-period=${PERIOD_MS:-20000}
+period=${PERIOD_MS:-15000}
 timeout=${EXCHANGE_TIMEOUT_MS:-$((period - 2000))}
-LINKS=caps cap_rate=${CAP:-31000000} cap_slow=
+LINKS=caps cap_rate=${CAP:-41000000} cap_slow=
 python=${GASLOC_PYTHON:-python3}
 # shellcheck source=bench/swarm_lib.sh
 . "$(dirname "$0")/swarm_lib.sh"

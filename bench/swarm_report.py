@@ -21,6 +21,7 @@ one node (the nodes' mean, steady rounds): over wall time, and over the trainer'
 """
 import glob
 import json
+import statistics
 import sys
 
 
@@ -57,8 +58,7 @@ def load(out, config):
 
 
 def median(values):
-    values = sorted(values)
-    return values[len(values) // 2] if values else float("nan")
+    return statistics.median_high(values) if values else float("nan")
 
 
 def main():

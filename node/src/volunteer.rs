@@ -579,40 +579,36 @@ impl RoundTrainer {
             .sqrt();
         let device = self.trainer.device();
         let mut measured = Vec::with_capacity(candidates.len());
-        // Each candidate's decoded model (model payloads), kept if the gate accepts it.
+        // Each candidate's decoded model (model payloads only), kept if the gate accepts it.
         let mut decoded: Vec<Option<Vec<Tensor>>> = Vec::with_capacity(candidates.len());
         for candidate in &candidates {
-            let stats = match &self.lordo_wire {
-                Some(wire) => lordo_differences(wire, round, &candidate.tensors, &anchor, device)
-                    .and_then(|d| {
-                        let named = self.names.iter().cloned().zip(d).map(Ok);
-                        measure(named, &own_delta, own_distance)
-                    }),
-                None => {
-                    let wires = &candidate.tensors.tensors;
-                    let models = wires
-                        .iter()
-                        .zip(&self.shapes)
-                        .map(|(wire, shape)| {
-                            from_wire(wire, shape, device).map_err(|e| malformed(&wire.name, e))
-                        })
-                        .collect::<Result<Vec<_>, _>>();
-                    let stats = models.as_ref().map_err(Clone::clone).and_then(|models| {
+            let (stats, model) = match &self.lordo_wire {
+                Some(wire) => {
+                    let stats = lordo_differences(wire, round, &candidate.tensors, &anchor, device)
+                        .and_then(|d| {
+                            let named = self.names.iter().cloned().zip(d).map(Ok);
+                            measure(named, &own_delta, own_distance)
+                        });
+                    (stats, None)
+                }
+                None => match self.decode_model(&candidate.tensors, device) {
+                    Ok(model) => {
                         // `θ_i − x_j`, tensor by tensor.
-                        let differences = wires
+                        let differences = candidate
+                            .tensors
+                            .tensors
                             .iter()
-                            .zip(models)
+                            .zip(&model)
                             .zip(&anchor)
                             .map(|((wire, x), a)| Ok((wire.name.clone(), a - x)));
-                        measure(differences, &own_delta, own_distance)
-                    });
-                    decoded.push(models.ok());
-                    stats
-                }
+                        (measure(differences, &own_delta, own_distance), Some(model))
+                    }
+                    Err(refusal) => (Err(refusal), None),
+                },
             };
             measured.push(stats);
+            decoded.push(model);
         }
-        decoded.resize_with(candidates.len(), || None);
         let stats: Vec<PayloadStats> = measured
             .iter()
             .filter_map(|m| m.as_ref().ok().cloned())
@@ -650,6 +646,19 @@ impl RoundTrainer {
         Ok(screened)
     }
 
+    /// A model payload (already checked against its table) as fp32 tensors on `device`; a
+    /// tensor that does not decode is refused as malformed, named.
+    fn decode_model(&self, payload: &TensorSet, device: Device) -> Result<Vec<Tensor>, Refusal> {
+        payload
+            .tensors
+            .iter()
+            .zip(&self.shapes)
+            .map(|(wire, shape)| {
+                from_wire(wire, shape, device).map_err(|e| malformed(&wire.name, e))
+            })
+            .collect()
+    }
+
     /// The anchor the round being screened started from, `θ_i`: the anchor, or with an
     /// overlapped round pending the one it started from (eager has moved the anchor by its
     /// own step since).
@@ -679,32 +688,25 @@ impl RoundTrainer {
             None => None,
         };
         let mut models: Vec<(usize, Vec<Tensor>)> = Vec::with_capacity(received.payloads.len());
-        // The models the gate decoded and accepted for this round (older ones — accepted,
-        // then left out of the mix — are dropped).
         let round = received.round;
-        let mut accepted = std::mem::take(&mut self.accepted_models);
-        accepted.retain(|(r, _, _)| *r >= round);
         if lordo.is_none() {
             for arrived in &received.payloads {
-                let kept = accepted
+                // The model the gate decoded and accepted, else decoded here.
+                let kept = self
+                    .accepted_models
                     .iter()
                     .position(|(r, peer, _)| *r == round && *peer == arrived.peer);
                 let decoded = match kept {
-                    Some(k) => accepted.swap_remove(k).2,
-                    None => arrived
-                        .tensors
-                        .tensors
-                        .iter()
-                        .zip(&self.shapes)
-                        .map(|(t, shape)| from_wire(t, shape, device))
-                        .collect::<Result<Vec<_>>>()
+                    Some(k) => self.accepted_models.swap_remove(k).2,
+                    None => self
+                        .decode_model(&arrived.tensors, device)
                         .with_context(|| format!("decoding the model from {}", arrived.peer))?,
                 };
                 models.push((arrived.index, decoded));
             }
         }
-        accepted.retain(|(r, _, _)| *r > round);
-        self.accepted_models = accepted;
+        // Accepted, then left out of the mix (the neighbour's result came too late).
+        self.accepted_models.retain(|(r, _, _)| *r > round);
         // The row is the round machine's: every neighbour term has its payload. Term
         // `mixing.worker` (and, should a payload ever be missing, that term too — which is
         // its weight returned to self) is this node's own model.
