@@ -680,27 +680,43 @@ fn make_room(data: &mut Vec<u8>, raw_len: usize, total: u64) {
 }
 
 /// The end of an exchange, once both payloads went through: tells the peer that its payload
-/// arrived whole (a done frame), closes this side, and waits for the peer's done frame, which
-/// says that it verified this node's payload. Both sides therefore agree on whether the
-/// exchange succeeded (both mix, or neither), and a node may go away as soon as this returns:
-/// nothing of its payload is still in flight.
+/// arrived whole (a done frame), waits for the peer's done frame, which says that it verified
+/// this node's payload, and only then closes this side and waits for the peer's close.
+///
+/// Both sides therefore agree on whether the exchange succeeded (both mix, or neither), and a
+/// node may go away as soon as this returns. The order is what makes leaving safe: a QUIC
+/// connection that closes discards whatever its streams still had in flight, so our done frame
+/// could be lost if we left right after reading the peer's. Here we return only after the
+/// peer's close, which the peer sends only after it holds our done frame; and once we hold
+/// the peer's done frame, a connection that ends before its close is no failure (the peer
+/// left after it had everything it needed: both payloads were verified on both sides).
 async fn finish_exchange<R, W>(r: &mut R, w: &mut W) -> Result<(), ExchangeError>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     write_frame(w, FRAME_DONE, &[]).await?;
-    w.close().await?;
+    w.flush().await?;
     let (kind, _) = read_frame(r, |_| 0)
         .await
         .map_err(|e| ExchangeError::from_frame(e, "the peer's done frame"))?;
     if kind != FRAME_DONE {
         return Err(ExchangeError::UnexpectedFrame(kind));
     }
-    expect_end(r).await.map_err(|_| ExchangeError::Malformed {
-        what: "stream",
-        detail: "bytes after the done frame".into(),
-    })
+    // The exchange has succeeded. A failing close or read from here on is a peer that went away.
+    let closed = w.close().await;
+    match expect_end(r).await {
+        Err(FrameError::TooLarge { .. }) => Err(ExchangeError::Malformed {
+            what: "stream",
+            detail: "bytes after the done frame".into(),
+        }),
+        Ok(()) | Err(_) => {
+            if let Err(e) = closed {
+                tracing::debug!(error = %e, "closing a finished exchange stream failed: the peer left");
+            }
+            Ok(())
+        }
+    }
 }
 
 /// Upper bound of an encoded chunk of `raw_len` bytes.
@@ -858,6 +874,186 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(err, ExchangeError::Truncated("chunk")), "{err}");
+    }
+
+    /// One end of an in-memory link with a fixed latency that ends the way a QUIC connection
+    /// does when its node goes away: once one end is dropped, the other end's reads and
+    /// writes fail at once, and whatever was still in flight is lost.
+    struct LeavingLink {
+        incoming: tokio::sync::mpsc::UnboundedReceiver<(tokio::time::Instant, Option<Vec<u8>>)>,
+        outgoing: tokio::sync::mpsc::UnboundedSender<(tokio::time::Instant, Option<Vec<u8>>)>,
+        /// The message being delivered: when it arrives, and its bytes (`None`: the close).
+        arriving: Option<(tokio::time::Instant, Option<Vec<u8>>)>,
+        arrival: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+        readable: Vec<u8>,
+        latency: std::time::Duration,
+        peer_gone: Arc<std::sync::atomic::AtomicBool>,
+        me_gone: Arc<std::sync::atomic::AtomicBool>,
+    }
+
+    fn leaving_link(latency: std::time::Duration) -> (LeavingLink, LeavingLink) {
+        let (a_out, b_in) = tokio::sync::mpsc::unbounded_channel();
+        let (b_out, a_in) = tokio::sync::mpsc::unbounded_channel();
+        let (a_gone, b_gone) = (Arc::default(), Arc::default());
+        let end = |incoming, outgoing, me_gone: &Arc<_>, peer_gone: &Arc<_>| LeavingLink {
+            incoming,
+            outgoing,
+            arriving: None,
+            arrival: None,
+            readable: Vec::new(),
+            latency,
+            peer_gone: Arc::clone(peer_gone),
+            me_gone: Arc::clone(me_gone),
+        };
+        (
+            end(a_in, a_out, &a_gone, &b_gone),
+            end(b_in, b_out, &b_gone, &a_gone),
+        )
+    }
+
+    impl LeavingLink {
+        fn lost() -> std::io::Error {
+            std::io::Error::new(std::io::ErrorKind::ConnectionAborted, "the peer went away")
+        }
+
+        fn send(&self, message: Option<Vec<u8>>) -> std::io::Result<()> {
+            if self.peer_gone.load(std::sync::atomic::Ordering::SeqCst) {
+                return Err(Self::lost());
+            }
+            let at = tokio::time::Instant::now() + self.latency;
+            self.outgoing.send((at, message)).map_err(|_| Self::lost())
+        }
+    }
+
+    impl Drop for LeavingLink {
+        fn drop(&mut self) {
+            self.me_gone
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+
+    impl AsyncRead for LeavingLink {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            buf: &mut [u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            use std::task::Poll;
+            loop {
+                if self.peer_gone.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Poll::Ready(Err(Self::lost()));
+                }
+                if !self.readable.is_empty() {
+                    let n = buf.len().min(self.readable.len());
+                    buf[..n].copy_from_slice(&self.readable[..n]);
+                    self.readable.drain(..n);
+                    return Poll::Ready(Ok(n));
+                }
+                if self.arriving.is_none() {
+                    match self.incoming.poll_recv(cx) {
+                        Poll::Ready(Some(message)) => {
+                            self.arrival = Some(Box::pin(tokio::time::sleep_until(message.0)));
+                            self.arriving = Some(message);
+                        }
+                        Poll::Ready(None) => return Poll::Ready(Err(Self::lost())),
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
+                if let Some(arrival) = self.arrival.as_mut() {
+                    std::task::ready!(std::future::Future::poll(arrival.as_mut(), cx));
+                }
+                self.arrival = None;
+                match self.arriving.take().and_then(|(_, bytes)| bytes) {
+                    Some(bytes) => self.readable = bytes,
+                    None => return Poll::Ready(Ok(0)),
+                }
+            }
+        }
+    }
+
+    impl AsyncWrite for LeavingLink {
+        fn poll_write(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            std::task::Poll::Ready(self.send(Some(buf.to_vec())).map(|()| buf.len()))
+        }
+
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+
+        fn poll_close(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(self.send(None))
+        }
+    }
+
+    /// The flake behind this test: the initiator read the responder's done frame and close,
+    /// returned and shut its node down while its own done frame was still on the wire; the
+    /// responder lost it with the connection and counted a whole, verified exchange as
+    /// failed. Here the responder is 200 ms later with its payload (so its done frame is
+    /// waiting when the initiator finishes), the link has 50 ms of latency, and each side's
+    /// end of the link goes away the moment its exchange returns.
+    #[tokio::test]
+    async fn a_side_that_leaves_the_moment_its_exchange_returns_leaves_its_peer_a_success() {
+        let keys = |_| {
+            libp2p::identity::Keypair::generate_ed25519()
+                .public()
+                .to_peer_id()
+        };
+        let (initiator, responder): (PeerId, PeerId) = (keys(0), keys(1));
+        let run_id = RunId::from_bytes([7; 32]);
+        let payload = |seed| {
+            let set = Arc::new(TensorSet::synthetic(2, 300_000, seed));
+            OutgoingPayload::new(PayloadKind::Model, set, SendOptions::default())
+        };
+        let (initiator_payload, responder_payload) = (payload(1), payload(2));
+        let table = Arc::new(initiator_payload.set.specs());
+        let expect = |sender| Expectation {
+            run_id,
+            round: Some(4),
+            sender,
+            kind: PayloadKind::Model,
+            table: Some(table.clone()),
+        };
+        let (from_responder, from_initiator) = (expect(responder), expect(initiator));
+        let (initiator_header, responder_header) = (
+            initiator_payload.header(&run_id, 4, &initiator),
+            responder_payload.header(&run_id, 4, &responder),
+        );
+        let limits = ExchangeLimits::default();
+        let (initiator_end, mut responder_end) = leaving_link(std::time::Duration::from_millis(50));
+        let initiator_side = run_initiator(
+            initiator_end,
+            &initiator_header,
+            &initiator_payload,
+            &from_responder,
+            &limits,
+        );
+        let responder_side = async {
+            let their_header =
+                read_checked_header(&mut responder_end, &from_initiator, &limits).await?;
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            run_responder(
+                responder_end,
+                &their_header,
+                &responder_header,
+                &responder_payload,
+            )
+            .await
+        };
+        let (got_by_initiator, got_by_responder) = tokio::join!(initiator_side, responder_side);
+        let (got_by_initiator, _) = got_by_initiator.expect("the initiator's exchange succeeds");
+        let got_by_responder = got_by_responder.expect("the responder's exchange succeeds");
+        assert!(got_by_initiator == *responder_payload.set);
+        assert!(got_by_responder == *initiator_payload.set);
     }
 
     #[test]
