@@ -154,10 +154,10 @@ pub struct JoinArgs {
     #[arg(long, default_value_t = 600)]
     pub idle_connection_timeout_s: u64,
     /// QUIC idle timeout in seconds.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 30)]
     pub quic_idle_timeout_s: u64,
     /// QUIC keep-alive interval in seconds.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 5)]
     pub quic_keep_alive_s: u64,
     /// QUIC per-stream receive window in bytes.
     #[arg(long, default_value_t = 32 << 20)]

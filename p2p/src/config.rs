@@ -1,8 +1,11 @@
 //! Network settings: listen and bootstrap addresses, transport windows, timeouts and limits.
 //!
 //! Defaults are chosen to survive minutes of local training between exchanges: the swarm
-//! keeps idle connections for 10 minutes and QUIC keeps connections alive with 10 s pings
-//! inside a 60 s idle timeout.
+//! keeps idle connections for 10 minutes and QUIC keeps connections alive with 5 s pings
+//! inside a 30 s idle timeout. The idle timeout is also how long a crashed peer's
+//! connection lingers: a node that crashes and comes back sooner is reconnected then
+//! (`network::EventLoop::on_connection_lost_by_peer`), well inside the minute a joining
+//! node waits for the run's topic.
 
 use libp2p::multiaddr::Protocol;
 use libp2p::pnet::PreSharedKey;
@@ -109,8 +112,8 @@ impl NetworkConfig {
             kad_server: true,
             discovery_interval: Duration::from_secs(30),
             idle_connection_timeout: Duration::from_secs(600),
-            quic_max_idle_timeout: Duration::from_secs(60),
-            quic_keep_alive_interval: Duration::from_secs(10),
+            quic_max_idle_timeout: Duration::from_secs(30),
+            quic_keep_alive_interval: Duration::from_secs(5),
             quic_max_stream_data: 32 << 20,
             quic_max_connection_data: 64 << 20,
             max_established_connections: 512,

@@ -379,6 +379,7 @@ pub async fn start_with_metrics(
         bootstrap_peers,
         bootstrap_links: HashMap::new(),
         relayed: HashMap::new(),
+        redial_when_closed: HashSet::new(),
         relay_circuits: HashSet::new(),
         reachability: Reachability::Unknown,
         lookups: HashMap::new(),
@@ -459,6 +460,9 @@ pub struct EventLoop {
     /// it is reached through there).
     bootstrap_links: HashMap<PeerId, Multiaddr>,
     relayed: HashMap<PeerId, Vec<ConnectionId>>,
+    /// Peers this node disconnected from because they restarted while connected (see
+    /// [`EventLoop::on_connection_lost_by_peer`]): redialled once their last connection is closed.
+    redial_when_closed: HashSet<PeerId>,
     /// Bootstrap nodes this node listens through (a relay circuit each).
     relay_circuits: HashSet<PeerId>,
     /// AutoNAT's last verdict on this node.
@@ -466,6 +470,42 @@ pub struct EventLoop {
     /// When a Kademlia lookup for a control-message author was last started.
     lookups: HashMap<PeerId, Instant>,
     metrics: Option<libp2p::metrics::Metrics>,
+}
+
+/// Whether a connection ended because the peer's side of it is gone, as opposed to a close
+/// the peer sent on purpose or a local decision: for QUIC, the idle timeout (nothing heard
+/// for that long) or a stateless reset (the peer's endpoint no longer knows the connection);
+/// for TCP, a reset (the peer's kernel no longer knows it), a timeout or a broken pipe. Looks
+/// through the layers libp2p wraps a transport's error in (the muxer's error inside an
+/// `io::Error`, and what that error says it was caused by).
+fn peer_lost_the_connection(error: &std::io::Error) -> bool {
+    use std::io::ErrorKind;
+    let mut layer: Option<&(dyn std::error::Error + 'static)> = Some(error);
+    while let Some(current) = layer {
+        if let Some(libp2p::quic::Error::Connection(error)) =
+            current.downcast_ref::<libp2p::quic::Error>()
+        {
+            // libp2p-quic keeps quinn's error private and shows it as quinn does: these are
+            // quinn's words for `ConnectionError::TimedOut` and `ConnectionError::Reset`
+            // (`p2p/tests/restart.rs` fails if they change).
+            return matches!(error.to_string().as_str(), "timed out" | "reset by peer");
+        }
+        if let Some(io) = current.downcast_ref::<std::io::Error>() {
+            if matches!(
+                io.kind(),
+                ErrorKind::ConnectionReset | ErrorKind::TimedOut | ErrorKind::BrokenPipe
+            ) {
+                return true;
+            }
+            // An `io::Error`'s `source` skips the error it wraps: look at that one itself.
+            if let Some(inner) = io.get_ref() {
+                layer = Some(inner);
+                continue;
+            }
+        }
+        layer = current.source();
+    }
+    false
 }
 
 /// Minimum time between two lookups of the same author.
@@ -659,14 +699,26 @@ impl EventLoop {
             SwarmEvent::ConnectionClosed {
                 peer_id,
                 connection_id,
+                endpoint,
                 num_established,
-                ..
+                cause,
             } => {
                 if let Some(ids) = self.relayed.get_mut(&peer_id) {
                     ids.retain(|id| *id != connection_id);
                 }
                 if num_established == 0 {
                     self.emit(NetworkEvent::Disconnected(peer_id));
+                    if self.redial_when_closed.remove(&peer_id) {
+                        let _ = self.swarm.dial(
+                            DialOpts::peer_id(peer_id)
+                                .condition(PeerCondition::DisconnectedAndNotDialing)
+                                .build(),
+                        );
+                    }
+                } else if let Some(libp2p::swarm::ConnectionError::IO(error)) = cause {
+                    if !endpoint.is_relayed() && peer_lost_the_connection(&error) {
+                        self.on_connection_lost_by_peer(peer_id, &error);
+                    }
                 }
             }
             SwarmEvent::OutgoingConnectionError {
@@ -680,6 +732,30 @@ impl EventLoop {
                 }
             }
             _ => {}
+        }
+    }
+
+    /// A direct connection to `peer` ended because the peer's side of it is gone, while a
+    /// newer connection to the same peer stands: the peer crashed and came back with the
+    /// same identity before this node noticed, and connected again.
+    ///
+    /// Gossipsub greets a peer (sends it our subscriptions) on its first connection only, and
+    /// that was the dead one: the restarted peer would never learn that this node is on the
+    /// run's topic, and would stop waiting for subscribers. So this node drops every
+    /// connection to the peer and dials it again once the last one is closed: the new first
+    /// connection carries a fresh greeting both ways. (A QUIC connection to a killed node
+    /// stays open on this side until the QUIC idle timeout: the restarted node cannot reset
+    /// it, as its connection ids are keyed afresh at every start. A TCP connection of a node
+    /// cut off its network stays open on this side until the node, back, answers a segment on
+    /// it with a reset.)
+    fn on_connection_lost_by_peer(&mut self, peer: PeerId, error: &std::io::Error) {
+        tracing::info!(
+            %peer,
+            %error,
+            "a connection to a peer died while a newer one stood (the peer restarted): reconnecting so gossipsub greets it again"
+        );
+        if self.redial_when_closed.insert(peer) {
+            let _ = self.swarm.disconnect_peer_id(peer);
         }
     }
 
@@ -943,5 +1019,45 @@ impl EventLoop {
             }
             _ => {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Error, ErrorKind};
+
+    /// A muxer's error the way libp2p-yamux's is: it shows its cause through `source`.
+    #[derive(Debug)]
+    struct MuxerError(Error);
+
+    impl std::fmt::Display for MuxerError {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "i/o error: {}", self.0)
+        }
+    }
+
+    impl std::error::Error for MuxerError {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn a_reset_or_a_timeout_under_the_muxer_is_a_lost_connection_and_a_close_is_not() {
+        let boxed = |kind: ErrorKind| Error::other(MuxerError(Error::from(kind)));
+        assert!(peer_lost_the_connection(&boxed(ErrorKind::ConnectionReset)));
+        assert!(peer_lost_the_connection(&boxed(ErrorKind::TimedOut)));
+        assert!(peer_lost_the_connection(&boxed(ErrorKind::BrokenPipe)));
+        assert!(peer_lost_the_connection(&Error::from(
+            ErrorKind::ConnectionReset
+        )));
+        assert!(!peer_lost_the_connection(&boxed(ErrorKind::UnexpectedEof)));
+        assert!(!peer_lost_the_connection(&Error::other(
+            "closed by peer: 0"
+        )));
+        assert!(!peer_lost_the_connection(&Error::from(
+            ErrorKind::ConnectionAborted
+        )));
     }
 }
