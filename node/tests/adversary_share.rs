@@ -10,14 +10,16 @@
 //! payload; every adversary is refused by every honest node it meets from its first poisoned
 //! round, and banned by it within 3 pairings; no honest node is refused or banned by anyone;
 //! and every honest node's validation loss stays within 0.5 nats of the same nodes' alone at
-//! the same round (the figures are printed; on the tests' six sentences the goal of 3 %
-//! cannot be told from noise: see `docs/security.md`).
+//! the same round (the figures are printed; on the tests' six sentences, memorised by round
+//! 6, a small change in the mix moves the loss by a large fraction: see `docs/security.md`).
 //!
 //! On real text it measures that goal: with `GASLOC_ADVERSARY_DATA` naming byte shards (an
 //! absolute path, such as `$PWD/datasets/shakespeare-byte` from `make setup`) and
 //! `GASLOC_ADVERSARY_ROUNDS=16` (default 7) it prints the gaps against that goal and asserts
-//! every honest loss within 5 % of the same nodes' alone at the same round (two runs alone
-//! differ by up to 3.5 % there).
+//! every honest loss within 5 % of the same nodes' alone at the same round (the goal, 3 %,
+//! was met in three runs of four and missed by 0.38 points at round 1 in the fourth). The
+//! reference is exact: the same identities alone give the same losses to the bit, so a gap
+//! is the attack's own cost (refused weight returns to self until the bans).
 
 mod adversaries;
 
@@ -322,21 +324,20 @@ async fn a_quarter_and_three_eighths_of_the_swarm_attacking_leave_the_honest_tra
         gap_37 * 100.0
     );
     assert!(rounds_25 >= 4 && rounds_37 >= 4, "too few rounds in common");
-    // The goal is 3 %. At this scale it cannot be told from noise: the test text is six
-    // sentences, memorised by round 6 (losses near 0.45 nats, where a run alone differs from
-    // another run alone by 5 %), and refused weight returns to each node's self. Measured
-    // (docs/security.md, three runs): 25 %: 3.7–13 %, 0.10 nats at most; 37.5 %: 11–19 %,
-    // 0.11 nats at most. The bound tells a defended swarm from a poisoned one (a × 1000 model took losses
-    // from 2 to 140–546 nats).
+    // The goal is 3 %. At this scale the relative gap says little: the test text is six
+    // sentences, memorised by round 6 (losses near 0.45 nats, where a small change in the
+    // mix moves the loss by a large fraction), and refused weight returns to each node's self
+    // until the bans. Measured (docs/security.md): 25 %: 3.7–13 %, 0.10 nats at most;
+    // 37.5 %: 11–32 %, 0.13 nats at most. The bound tells a defended swarm from a poisoned
+    // one (a × 1000 model took losses from 2 to 140–546 nats).
     assert!(nats_25 <= 0.5, "25 %: an honest loss {nats_25:.3} nats off");
     assert!(
         nats_37 <= 0.5,
         "37.5 %: an honest loss {nats_37:.3} nats off"
     );
-    // On real text the goal, 3 %, is measured (the figures above). Two runs of the same
-    // honest swarm alone differed by up to 3.5 % at the same round there (docs/security.md),
-    // so what is asserted is 5 %: far below any poison that reaches a model, and above the
-    // runs' own spread.
+    // On real text the goal, 3 %, is measured (the figures above): met in three runs of
+    // four, and 3.38 % at round 1 in the fourth (docs/security.md). What is asserted is 5 %:
+    // far below any poison that reaches a model.
     if std::env::var_os("GASLOC_ADVERSARY_DATA").is_some() {
         assert!(
             gap_25 <= 0.05,
