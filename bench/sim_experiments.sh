@@ -11,7 +11,7 @@
 #        (overlapped rounds; SIM_MODEL=demo: the demo model's shape, d 128, 4 layers, instead
 #        of the tiny one, same data settings)
 #        [SIM_ROUNDS_OVERLAP=30] [SIM_SEEDS=1234] [SIM_MOMENTA="0.8 0.7"] bench/sim_experiments.sh 6mu
-#        (delayed overlap with less outer momentum, one-peer)
+#        (delayed overlap with less outer momentum; SIM_LINKS="two-peer:16" for two-peer)
 # Writes runs/exp/<name>[-demo][-seedS]/ (rounds.csv, workers.csv, rounds.json, summary.md, loss.svg) and the
 # manifests it generated in runs/exp/manifests/. Each experiment takes minutes on 2 cores.
 set -euo pipefail
@@ -161,14 +161,17 @@ exp6() { # overlapped rounds: none / delayed / eager on one-peer and two-peer; 2
   done
 }
 
-exp6mu() { # overlap = "delayed" with less outer momentum: one-peer, exp6's links and steps.
-  # SIM_MOMENTA (default 0.8 0.7) names the momenta, SIM_SEEDS the run seeds.
-  local ro=${SIM_ROUNDS_OVERLAP:-30} seed mu
+exp6mu() { # overlap = "delayed" with less outer momentum: exp6's links and steps.
+  # SIM_MOMENTA (default 0.8 0.7) names the momenta, SIM_SEEDS the run seeds, SIM_LINKS the
+  # topology:Mbit/s pairs (default one-peer:8).
+  local ro=${SIM_ROUNDS_OVERLAP:-30} seed t mu
   for seed in ${SIM_SEEDS:-1234}; do
-    for mu in ${SIM_MOMENTA:-0.8 0.7}; do
-      SIM_SEED=$seed sim "e6-one-peer-delayed-mu$mu" "$ro" $((ro * 30)) \
-        "topology = \"one-peer\"\ninner_steps = 30\noverlap = \"delayed\"\nmomentum = $mu" '' \
-        --step-time-ms 25 --bandwidth-mbps 8 --latency-ms 20 --eval-every 5
+    for t in ${SIM_LINKS:-one-peer:8}; do
+      for mu in ${SIM_MOMENTA:-0.8 0.7}; do
+        SIM_SEED=$seed sim "e6-${t%%:*}-delayed-mu$mu" "$ro" $((ro * 30)) \
+          "topology = \"${t%%:*}\"\ninner_steps = 30\noverlap = \"delayed\"\nmomentum = $mu" '' \
+          --step-time-ms 25 --bandwidth-mbps "${t##*:}" --latency-ms 20 --eval-every 5
+      done
     done
   done
 }
