@@ -703,20 +703,19 @@ where
     if kind != FRAME_DONE {
         return Err(ExchangeError::UnexpectedFrame(kind));
     }
-    // The exchange has succeeded. A failing close or read from here on is a peer that went away.
+    // The exchange has succeeded. A failing close or read from here on is a peer that went
+    // away; only bytes after its done frame are an error.
     let closed = w.close().await;
-    match expect_end(r).await {
-        Err(FrameError::TooLarge { .. }) => Err(ExchangeError::Malformed {
+    if let Err(FrameError::TooLarge { .. }) = expect_end(r).await {
+        return Err(ExchangeError::Malformed {
             what: "stream",
             detail: "bytes after the done frame".into(),
-        }),
-        Ok(()) | Err(_) => {
-            if let Err(e) = closed {
-                tracing::debug!(error = %e, "closing a finished exchange stream failed: the peer left");
-            }
-            Ok(())
-        }
+        });
     }
+    if let Err(e) = closed {
+        tracing::debug!(error = %e, "closing a finished exchange stream failed: the peer left");
+    }
+    Ok(())
 }
 
 /// Upper bound of an encoded chunk of `raw_len` bytes.
@@ -825,6 +824,12 @@ pub async fn write_state_request<W: AsyncWrite + Unpin>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::task::{ready, Context, Poll};
+    use std::time::Duration;
+    use tokio::sync::mpsc;
 
     /// Found while writing the `exchange_frames` fuzz target (the input is kept in
     /// fuzz/regressions/exchange_frames/): a state source announcing one 32 GiB tensor (the
@@ -876,30 +881,33 @@ mod tests {
         assert!(matches!(err, ExchangeError::Truncated("chunk")), "{err}");
     }
 
+    /// A message on a [`LeavingLink`]: when it arrives, and its bytes (`None`: the close).
+    type InFlight = (tokio::time::Instant, Option<Vec<u8>>);
+
+    /// The message a [`LeavingLink`] is delivering: the timer of its arrival, and its bytes.
+    type Arriving = (Pin<Box<tokio::time::Sleep>>, Option<Vec<u8>>);
+
     /// One end of an in-memory link with a fixed latency that ends the way a QUIC connection
     /// does when its node goes away: once one end is dropped, the other end's reads and
     /// writes fail at once, and whatever was still in flight is lost.
     struct LeavingLink {
-        incoming: tokio::sync::mpsc::UnboundedReceiver<(tokio::time::Instant, Option<Vec<u8>>)>,
-        outgoing: tokio::sync::mpsc::UnboundedSender<(tokio::time::Instant, Option<Vec<u8>>)>,
-        /// The message being delivered: when it arrives, and its bytes (`None`: the close).
-        arriving: Option<(tokio::time::Instant, Option<Vec<u8>>)>,
-        arrival: Option<std::pin::Pin<Box<tokio::time::Sleep>>>,
+        incoming: mpsc::UnboundedReceiver<InFlight>,
+        outgoing: mpsc::UnboundedSender<InFlight>,
+        arriving: Option<Arriving>,
         readable: Vec<u8>,
-        latency: std::time::Duration,
-        peer_gone: Arc<std::sync::atomic::AtomicBool>,
-        me_gone: Arc<std::sync::atomic::AtomicBool>,
+        latency: Duration,
+        peer_gone: Arc<AtomicBool>,
+        me_gone: Arc<AtomicBool>,
     }
 
-    fn leaving_link(latency: std::time::Duration) -> (LeavingLink, LeavingLink) {
-        let (a_out, b_in) = tokio::sync::mpsc::unbounded_channel();
-        let (b_out, a_in) = tokio::sync::mpsc::unbounded_channel();
+    fn leaving_link(latency: Duration) -> (LeavingLink, LeavingLink) {
+        let (a_out, b_in) = mpsc::unbounded_channel();
+        let (b_out, a_in) = mpsc::unbounded_channel();
         let (a_gone, b_gone) = (Arc::default(), Arc::default());
         let end = |incoming, outgoing, me_gone: &Arc<_>, peer_gone: &Arc<_>| LeavingLink {
             incoming,
             outgoing,
             arriving: None,
-            arrival: None,
             readable: Vec::new(),
             latency,
             peer_gone: Arc::clone(peer_gone),
@@ -917,7 +925,7 @@ mod tests {
         }
 
         fn send(&self, message: Option<Vec<u8>>) -> std::io::Result<()> {
-            if self.peer_gone.load(std::sync::atomic::Ordering::SeqCst) {
+            if self.peer_gone.load(Ordering::SeqCst) {
                 return Err(Self::lost());
             }
             let at = tokio::time::Instant::now() + self.latency;
@@ -927,20 +935,18 @@ mod tests {
 
     impl Drop for LeavingLink {
         fn drop(&mut self) {
-            self.me_gone
-                .store(true, std::sync::atomic::Ordering::SeqCst);
+            self.me_gone.store(true, Ordering::SeqCst);
         }
     }
 
     impl AsyncRead for LeavingLink {
         fn poll_read(
-            mut self: std::pin::Pin<&mut Self>,
-            cx: &mut std::task::Context<'_>,
+            mut self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
             buf: &mut [u8],
-        ) -> std::task::Poll<std::io::Result<usize>> {
-            use std::task::Poll;
+        ) -> Poll<std::io::Result<usize>> {
             loop {
-                if self.peer_gone.load(std::sync::atomic::Ordering::SeqCst) {
+                if self.peer_gone.load(Ordering::SeqCst) {
                     return Poll::Ready(Err(Self::lost()));
                 }
                 if !self.readable.is_empty() {
@@ -950,19 +956,13 @@ mod tests {
                     return Poll::Ready(Ok(n));
                 }
                 if self.arriving.is_none() {
-                    match self.incoming.poll_recv(cx) {
-                        Poll::Ready(Some(message)) => {
-                            self.arrival = Some(Box::pin(tokio::time::sleep_until(message.0)));
-                            self.arriving = Some(message);
-                        }
-                        Poll::Ready(None) => return Poll::Ready(Err(Self::lost())),
-                        Poll::Pending => return Poll::Pending,
-                    }
+                    let Some((at, bytes)) = ready!(self.incoming.poll_recv(cx)) else {
+                        return Poll::Ready(Err(Self::lost()));
+                    };
+                    self.arriving = Some((Box::pin(tokio::time::sleep_until(at)), bytes));
                 }
-                if let Some(arrival) = self.arrival.as_mut() {
-                    std::task::ready!(std::future::Future::poll(arrival.as_mut(), cx));
-                }
-                self.arrival = None;
+                let (arrival, _) = self.arriving.as_mut().expect("a message is arriving");
+                ready!(arrival.as_mut().poll(cx));
                 match self.arriving.take().and_then(|(_, bytes)| bytes) {
                     Some(bytes) => self.readable = bytes,
                     None => return Poll::Ready(Ok(0)),
@@ -973,25 +973,19 @@ mod tests {
 
     impl AsyncWrite for LeavingLink {
         fn poll_write(
-            self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
             buf: &[u8],
-        ) -> std::task::Poll<std::io::Result<usize>> {
-            std::task::Poll::Ready(self.send(Some(buf.to_vec())).map(|()| buf.len()))
+        ) -> Poll<std::io::Result<usize>> {
+            Poll::Ready(self.send(Some(buf.to_vec())).map(|()| buf.len()))
         }
 
-        fn poll_flush(
-            self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<std::io::Result<()>> {
-            std::task::Poll::Ready(Ok(()))
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(Ok(()))
         }
 
-        fn poll_close(
-            self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<std::io::Result<()>> {
-            std::task::Poll::Ready(self.send(None))
+        fn poll_close(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+            Poll::Ready(self.send(None))
         }
     }
 
@@ -1029,7 +1023,7 @@ mod tests {
             responder_payload.header(&run_id, 4, &responder),
         );
         let limits = ExchangeLimits::default();
-        let (initiator_end, mut responder_end) = leaving_link(std::time::Duration::from_millis(50));
+        let (initiator_end, mut responder_end) = leaving_link(Duration::from_millis(50));
         let initiator_side = run_initiator(
             initiator_end,
             &initiator_header,
@@ -1040,7 +1034,7 @@ mod tests {
         let responder_side = async {
             let their_header =
                 read_checked_header(&mut responder_end, &from_initiator, &limits).await?;
-            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
             run_responder(
                 responder_end,
                 &their_header,
