@@ -16,7 +16,8 @@
 //!    ([`crate::lordo_wire`]).
 //! 2. **finish**: the mix `x̄_i = Σ_j w_ij x_j` with the row the round machine hands over
 //!    (the round topology's row, a neighbour that sent nothing usable removed and its weight
-//!    returned to self: ⅔ / ⅓ in two-peer with one missing), as a pseudo-gradient
+//!    returned to self — ⅔ / ⅓ in two-peer with one missing — or, on the complete topology,
+//!    spread over the members that arrived), as a pseudo-gradient
 //!    `Δ_i = θ_i − x̄_i`, then the outer Nesterov step on `θ_i` — the same functions as the
 //!    simulator (`algo::outer`, `topology::Topology::round_row`). With `lordo` payloads the
 //!    mix is of the decoded pseudo-gradients, `Δ_i = Σ_j w_ij Δ_j` (and on a full-sync round
@@ -708,8 +709,8 @@ impl RoundTrainer {
         // Accepted, then left out of the mix (the neighbour's result came too late).
         self.accepted_models.retain(|(r, _, _)| *r > round);
         // The row is the round machine's: every neighbour term has its payload. Term
-        // `mixing.worker` (and, should a payload ever be missing, that term too — which is
-        // its weight returned to self) is this node's own model.
+        // `mixing.worker` (and, should a payload ever be missing, that term too, as if its
+        // weight were returned to self) is this node's own model.
         let model = |j: usize| match models.iter().find(|(i, _)| *i == j) {
             Some((_, m)) => &m[..],
             None => &own[..],

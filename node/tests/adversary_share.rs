@@ -13,13 +13,16 @@
 //! the same round (the figures are printed; on the tests' six sentences, memorised by round
 //! 6, a small change in the mix moves the loss by a large fraction: see `docs/security.md`).
 //!
-//! On real text it measures that goal: with `GASLOC_ADVERSARY_DATA` naming byte shards (an
+//! On the complete topology a refused member's weight is spread over the members that
+//! arrived (DiLoCo's mean over those present), so the honest nodes, which refuse the same
+//! adversaries, hold one anchor: the test asserts their validation losses equal to the bit
+//! in every round in which they mixed the same members.
+//!
+//! On real text it measures the goal: with `GASLOC_ADVERSARY_DATA` naming byte shards (an
 //! absolute path, such as `$PWD/datasets/shakespeare-byte` from `make setup`) and
-//! `GASLOC_ADVERSARY_ROUNDS=16` (default 7) it prints the gaps against that goal and asserts
-//! every honest loss within 5 % of the same nodes' alone at the same round (the goal, 3 %,
-//! was met in three runs of four and missed by 0.38 points at round 1 in the fourth). The
-//! reference is exact: the same identities alone give the same losses to the bit, so a gap
-//! is the attack's own cost (refused weight returns to self until the bans).
+//! `GASLOC_ADVERSARY_ROUNDS=16` (default 7) it prints the gaps and asserts every honest loss
+//! within 3 % of the same nodes' alone at the same round. The reference is exact: the same
+//! identities alone give the same losses to the bit, so a gap is the attack's own cost.
 
 mod adversaries;
 
@@ -216,6 +219,53 @@ fn print_lowest_honest_cosine(run: &str, nodes: &[(Vec<Value>, Value)], adversar
     }
 }
 
+/// DiLoCo's invariant, kept under attack: on the complete topology a refused member's weight
+/// is spread over the members that arrived, so honest nodes that mixed the same members in
+/// every round so far hold the same anchor and give the same validation loss, to the bit.
+/// Checks the rounds from the first while every node's mixed set is the same (a payload that
+/// came too late for one node parts the anchors from there) and returns how many.
+fn assert_one_anchor(run: &str, nodes: &[(Vec<Value>, Value)]) -> usize {
+    let by_round = |records: &[Value]| -> BTreeMap<u64, (Vec<String>, Option<f64>)> {
+        records
+            .iter()
+            .map(|r| {
+                let mut mixed: Vec<String> =
+                    mixed_peers(r).into_iter().map(str::to_string).collect();
+                mixed.sort_unstable();
+                (
+                    r["round"].as_u64().unwrap(),
+                    (mixed, r["val_loss"].as_f64()),
+                )
+            })
+            .collect()
+    };
+    let nodes: Vec<_> = nodes.iter().map(|(records, _)| by_round(records)).collect();
+    let mut checked = 0;
+    for round in 0.. {
+        let Some(rows) = nodes
+            .iter()
+            .map(|n| n.get(&round))
+            .collect::<Option<Vec<_>>>()
+        else {
+            break;
+        };
+        if rows.iter().any(|(mixed, _)| *mixed != rows[0].0) {
+            break;
+        }
+        let losses: Vec<Option<f64>> = rows.iter().map(|(_, loss)| *loss).collect();
+        assert!(
+            losses
+                .iter()
+                .all(|l| l.map(f64::to_bits) == losses[0].map(f64::to_bits)),
+            "{run} round {round}: the honest nodes mixed the same members but hold different \
+             anchors (validation losses {losses:?})"
+        );
+        checked += 1;
+    }
+    eprintln!("{run}: one anchor for every honest node in rounds 0..{checked}");
+    checked
+}
+
 fn val_losses(nodes: &[(Vec<Value>, Value)]) -> BTreeMap<u64, Vec<f64>> {
     let mut by_round: BTreeMap<u64, Vec<f64>> = BTreeMap::new();
     for (records, _) in nodes {
@@ -289,6 +339,7 @@ async fn a_quarter_and_three_eighths_of_the_swarm_attacking_leave_the_honest_tra
     let (nodes, adversaries) = run(keys.path(), 6, &quarter, caps).await;
     print_lowest_honest_cosine("25 %", &nodes, &adversaries);
     check("25 %", &nodes, &adversaries, &quarter);
+    let one_anchor_25 = assert_one_anchor("25 %", &nodes);
     // The node on a tenth of the bandwidth still delivers: the others mix its model.
     let slow = nodes[5].0[0]["peer"].as_str().unwrap().to_string();
     for (n, (records, _)) in nodes[..5].iter().enumerate() {
@@ -315,6 +366,11 @@ async fn a_quarter_and_three_eighths_of_the_swarm_attacking_leave_the_honest_tra
     let (nodes, adversaries) = run(keys.path(), 5, &three_eighths, &[]).await;
     print_lowest_honest_cosine("37.5 %", &nodes, &adversaries);
     check("37.5 %", &nodes, &adversaries, &three_eighths);
+    let one_anchor_37 = assert_one_anchor("37.5 %", &nodes);
+    assert!(
+        one_anchor_25 + one_anchor_37 >= 1,
+        "no round in which every honest node mixed the same members"
+    );
     let (gap_37, nats_37, rounds_37) = worst_gap("37.5 %", &val_losses(&nodes), &alone);
 
     eprintln!(
@@ -326,26 +382,23 @@ async fn a_quarter_and_three_eighths_of_the_swarm_attacking_leave_the_honest_tra
     assert!(rounds_25 >= 4 && rounds_37 >= 4, "too few rounds in common");
     // The goal is 3 %. At this scale the relative gap says little: the test text is six
     // sentences, memorised by round 6 (losses near 0.45 nats, where a small change in the
-    // mix moves the loss by a large fraction), and refused weight returns to each node's self
-    // until the bans. Measured (docs/security.md): 25 %: 3.7–13 %, 0.10 nats at most;
-    // 37.5 %: 11–32 %, 0.13 nats at most. The bound tells a defended swarm from a poisoned
-    // one (a × 1000 model took losses from 2 to 140–546 nats).
+    // mix moves the loss by a large fraction). The bound tells a defended swarm from a
+    // poisoned one (a × 1000 model took losses from 2 to 140–546 nats).
     assert!(nats_25 <= 0.5, "25 %: an honest loss {nats_25:.3} nats off");
     assert!(
         nats_37 <= 0.5,
         "37.5 %: an honest loss {nats_37:.3} nats off"
     );
-    // On real text the goal, 3 %, is measured (the figures above): met in three runs of
-    // four, and 3.38 % at round 1 in the fourth (docs/security.md). What is asserted is 5 %:
-    // far below any poison that reaches a model.
+    // On real text the goal, 3 %, is asserted (docs/security.md: 1.12–1.34 % at 25 % and
+    // 1.69–2.65 % at 37.5 % in two invocations).
     if std::env::var_os("GASLOC_ADVERSARY_DATA").is_some() {
         assert!(
-            gap_25 <= 0.05,
+            gap_25 <= 0.03,
             "25 %: an honest loss {:.2} % off",
             gap_25 * 100.0
         );
         assert!(
-            gap_37 <= 0.05,
+            gap_37 <= 0.03,
             "37.5 %: an honest loss {:.2} % off",
             gap_37 * 100.0
         );

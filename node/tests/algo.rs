@@ -526,7 +526,7 @@ fn the_authors_regime_is_low_rank_adam_then_switches() {
 fn a_missing_neighbour_leaves_a_stochastic_mix_of_the_rest() {
     let m = manifest("algorithm = \"local-dadam\"", "");
     let xs = models(4, 60);
-    let row = Topology::TwoPeer.mixing(&[0, 1, 2, 3])[1].without(&[2]);
+    let row = Topology::TwoPeer.round_row(&[0, 1, 2, 3], 1, &[2]);
     let mut theta = models(1, 70).remove(0);
     let delta = mixed_pseudo_gradient(&row, &theta, |j| &xs[j]);
     OuterOptimizer::new(&m.outer, &theta).step(&mut theta, &delta);

@@ -20,7 +20,8 @@
 //!   neighbour: straight to the outer step);
 //! * the exchange's outcome per neighbour (swapped, refused, failed — the exchange service
 //!   bounds it by the exchange timeout) gives the **mixing row**: the round topology's row
-//!   with every neighbour that sent nothing usable removed and its weight returned to self
+//!   with every neighbour that sent nothing usable removed and its weight placed by the
+//!   topology (returned to self; spread over the rest on the complete topology)
 //!   ([`RoundPlan::mixing_row`]);
 //! * when the outer step is done the round's [`RoundRecord`] is written and the next round
 //!   may start.

@@ -148,7 +148,7 @@ pub struct RoundPlan {
 impl RoundPlan {
     /// The mixing row `me` applies in this round when the neighbours in `missing` sent
     /// nothing usable (no payload, a failed or a refused one): the topology's row over the
-    /// members, with those neighbours' weight returned to self
+    /// members, with those neighbours dropped and their weight placed by the topology
     /// ([`Topology::round_row`], the simulator's function). Indices are positions in
     /// [`Self::members`]; a node outside the round mixes alone, as index `members.len()`.
     pub fn mixing_row(&self, topology: Topology, me: &PeerId, missing: &[PeerId]) -> MixingRow {
@@ -674,6 +674,24 @@ mod tests {
         let outsider = plans[0][1].mixing_row(Topology::TwoPeer, &peer(9), &[]);
         assert_eq!(outsider.terms, vec![(5, 1)]);
         assert_eq!(outsider.denominator, 1);
+    }
+
+    #[test]
+    fn on_the_complete_topology_the_nodes_that_miss_the_same_peer_mix_the_same_mean() {
+        let plans = run_rounds(5, 2, &[], Topology::Complete);
+        let refused = peer(4);
+        let rows: Vec<MixingRow> = (0..4u8)
+            .map(|i| plans[i as usize][1].mixing_row(Topology::Complete, &peer(i), &[refused]))
+            .collect();
+        let gone = plans[0][1].member_index(&refused).unwrap();
+        for (i, row) in rows.iter().enumerate() {
+            // A quarter each for the four that arrived, self included; none for the refused.
+            assert_eq!(row.denominator, 4, "node {i}");
+            assert_eq!(row.weight(row.worker), 0.25);
+            assert_eq!(row.weight(gone), 0.0);
+            // The same terms in the same order at every node: the same anchor, to the bit.
+            assert_eq!(row.terms, rows[0].terms);
+        }
     }
 
     #[test]

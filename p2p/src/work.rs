@@ -125,7 +125,8 @@ pub struct Received {
     pub round: u64,
     /// The weights to apply, `x̄_i = Σ_j w_ij x_j`: the round topology's row for this node
     /// (`mixing.worker`, its own model) with every neighbour that sent nothing usable
-    /// removed and its weight returned to self, so the row stays stochastic
+    /// removed and its weight placed by the topology (`Topology::missing_weight`: returned
+    /// to self, or on the complete topology spread over the rest), so the row stays stochastic
     /// ([`crate::schedule::RoundPlan::mixing_row`], the simulator's function). Indices are
     /// the round's members in canonical order, so every node sums in the same order.
     pub mixing: MixingRow,

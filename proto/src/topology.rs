@@ -8,9 +8,12 @@
 //! * [`Topology::mixing`]: the round's mixing matrix, one [`MixingRow`] per worker, with
 //!   weights kept as exact fractions `count / denominator` (every weight of the four
 //!   topologies is `1/k`, or `c/k` once missing neighbours are folded back into self).
-//! * [`MixingRow::without`]: a neighbour that did not arrive is dropped and its weight returned
-//!   to self, so the row stays stochastic; [`Topology::round_row`] is one worker's row of a
-//!   round with its missing neighbours so dropped (what the node and the simulator apply).
+//! * [`MixingRow::without`]: a neighbour that did not arrive is dropped and its weight goes
+//!   where the topology's [`MissingWeight`] says: back to self on the gossip topologies
+//!   (ALGORITHMS.md §1), over the members that arrived on the complete one (DiLoCo's mean over
+//!   the workers that reported). Either way the row stays stochastic. [`Topology::round_row`]
+//!   is one worker's row of a round with its missing neighbours so dropped (what the node and
+//!   the simulator apply).
 //! * [`sim_round_seed`]: how the simulator derives a round's seed from the run seed.
 
 use rand_chacha::rand_core::{RngCore, SeedableRng};
@@ -116,17 +119,43 @@ impl Topology {
             .collect()
     }
 
+    /// Where this topology puts the weight of a neighbour that sent nothing usable.
+    pub fn missing_weight(self) -> MissingWeight {
+        match self {
+            Topology::Complete => MissingWeight::OverThePresent,
+            Topology::OnePeer | Topology::TwoPeer | Topology::Ring => MissingWeight::ToSelf,
+        }
+    }
+
     /// The row `worker` applies in a round with permutation `perm` when the neighbours in
     /// `missing` sent nothing usable (absent, failed or refused): the topology's row with
-    /// those dropped and their weight returned to self ([`MixingRow::without`]). The one
-    /// place where the simulator and the networked node get their mixing weights.
+    /// those dropped and their weight placed by [`Self::missing_weight`]
+    /// ([`MixingRow::without`]). The one place where the simulator and the networked node get
+    /// their mixing weights.
     pub fn round_row(self, perm: &[usize], worker: usize, missing: &[usize]) -> MixingRow {
         let k = perm
             .iter()
             .position(|&w| w == worker)
             .expect("the worker is in the permutation");
-        MixingRow::uniform(worker, &self.neighbours_at(perm, k)).without(missing)
+        MixingRow::uniform(worker, &self.neighbours_at(perm, k))
+            .without(missing, self.missing_weight())
     }
+}
+
+/// Where the weight of a neighbour that sent nothing usable (absent, failed or refused) goes.
+/// The row stays stochastic either way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MissingWeight {
+    /// Back to self (ALGORITHMS.md §1, step 3): the gossip topologies, where a worker has one
+    /// or two neighbours and the partner that did arrive keeps the weight the matrix gave it.
+    ToSelf,
+    /// Over the rest of the row, in proportion to its weights: on the complete topology, the
+    /// mean over the members whose models arrived, which is what DiLoCo does when a worker
+    /// drops out. Every node that received the same models then holds the same anchor, the
+    /// DiLoCo invariant; returned to self, each honest node that refuses `k` of `n` members
+    /// would give its own model `(k+1)/n` of the mix and the anchors would part
+    /// (`docs/algorithms.md`, "Topologies and permutations", has the measurement).
+    OverThePresent,
 }
 
 impl std::str::FromStr for Topology {
@@ -169,26 +198,34 @@ impl MixingRow {
         }
     }
 
-    /// The row with the neighbours in `missing` dropped and their weight returned to self.
-    pub fn without(&self, missing: &[usize]) -> MixingRow {
-        let mut returned = 0;
+    /// The row with the neighbours in `missing` dropped (self never is) and their weight
+    /// placed as `rule` says: added to self's count, or left out of the denominator so the
+    /// counts that remain are the whole.
+    pub fn without(&self, missing: &[usize], rule: MissingWeight) -> MixingRow {
+        let mut dropped = 0;
         let mut terms: Vec<(usize, u32)> = Vec::with_capacity(self.terms.len());
         for &(j, c) in &self.terms {
             if j != self.worker && missing.contains(&j) {
-                returned += c;
+                dropped += c;
             } else {
                 terms.push((j, c));
             }
         }
-        for t in &mut terms {
-            if t.0 == self.worker {
-                t.1 += returned;
+        let denominator = match rule {
+            MissingWeight::ToSelf => {
+                for t in &mut terms {
+                    if t.0 == self.worker {
+                        t.1 += dropped;
+                    }
+                }
+                self.denominator
             }
-        }
+            MissingWeight::OverThePresent => self.denominator - dropped,
+        };
         MixingRow {
             worker: self.worker,
             terms,
-            denominator: self.denominator,
+            denominator,
         }
     }
 
@@ -354,7 +391,7 @@ mod tests {
                         let missing: Vec<usize> = row.neighbours().take(1).collect();
                         assert_eq!(
                             topology.round_row(&perm, i, &missing),
-                            row.without(&missing)
+                            row.without(&missing, topology.missing_weight())
                         );
                     }
                 }
@@ -370,13 +407,65 @@ mod tests {
 
     #[test]
     fn a_missing_neighbour_returns_its_weight_to_self() {
-        let row = Topology::TwoPeer.mixing(&[0, 1, 2, 3])[1].without(&[2]);
+        let row = Topology::TwoPeer.mixing(&[0, 1, 2, 3])[1].without(&[2], MissingWeight::ToSelf);
         assert_eq!(row.terms, vec![(0, 1), (1, 2)]);
         assert_eq!(row.denominator, 3);
         assert!((row.weight(1) - 2.0 / 3.0).abs() < 1e-15);
         assert_eq!(row.neighbours().collect::<Vec<_>>(), vec![0]);
         // Self is never dropped.
-        let alone = row.without(&[0, 1]);
+        let alone = row.without(&[0, 1], MissingWeight::ToSelf);
         assert_eq!(alone.terms, vec![(1, 3)]);
+    }
+
+    #[test]
+    fn on_the_complete_topology_the_missing_are_left_out_of_the_mean() {
+        // 8 members, 2 of them (6 and 7) missing for everyone: each of the other six mixes
+        // the mean of the six, the same row whoever computes it.
+        let perm = permutation(sim_round_seed(3, 1), 8);
+        let rows: Vec<MixingRow> = (0..6)
+            .map(|i| Topology::Complete.round_row(&perm, i, &[6, 7]))
+            .collect();
+        for row in &rows {
+            assert_eq!(row.denominator, 6);
+            assert_eq!(row.terms, (0..6).map(|j| (j, 1)).collect::<Vec<_>>());
+            assert_eq!(row.weight(row.worker), 1.0 / 6.0);
+            assert_eq!(row.weight(7), 0.0);
+        }
+        // Returned to self instead, each would give itself 3/8 and the rows would differ.
+        let to_self = Topology::Complete.mixing(&perm)[0].without(&[6, 7], MissingWeight::ToSelf);
+        assert_eq!(to_self.weight(0), 3.0 / 8.0);
+        // Everyone missing: alone, weight 1. Nobody missing: the matrix row.
+        let alone = Topology::Complete.round_row(&perm, 2, &[0, 1, 3, 4, 5, 6, 7]);
+        assert_eq!((alone.terms, alone.denominator), (vec![(2, 1)], 1));
+        assert_eq!(
+            Topology::Complete.round_row(&perm, 2, &[]),
+            Topology::Complete.mixing(&perm)[2]
+        );
+    }
+
+    #[test]
+    fn every_row_stays_stochastic_whatever_is_missing() {
+        for topology in Topology::ALL {
+            for n in 1..=9 {
+                let perm = permutation(sim_round_seed(8, n as u64), n);
+                for i in 0..n {
+                    // Every subset of the others missing, up to n = 9 (256 subsets).
+                    let others: Vec<usize> = (0..n).filter(|&j| j != i).collect();
+                    for mask in 0..(1u32 << others.len()) {
+                        let missing: Vec<usize> = others
+                            .iter()
+                            .enumerate()
+                            .filter(|(b, _)| mask >> b & 1 == 1)
+                            .map(|(_, &j)| j)
+                            .collect();
+                        let row = topology.round_row(&perm, i, &missing);
+                        let sum: u32 = row.terms.iter().map(|t| t.1).sum();
+                        assert_eq!(sum, row.denominator, "{topology:?} n={n} i={i}");
+                        assert!(row.weight(i) > 0.0);
+                        assert!(missing.iter().all(|&j| row.weight(j) == 0.0));
+                    }
+                }
+            }
+        }
     }
 }

@@ -109,7 +109,8 @@ pub struct RoundRecord {
     /// The payload gate's numbers for every payload it measured (accepted or refused).
     pub gate: Vec<GateReading>,
     /// The weights applied, `(peer, weight)`, this node first: the round topology's row
-    /// with the weight of every neighbour that sent nothing usable returned to self.
+    /// with every neighbour that sent nothing usable left out (its weight returned to self,
+    /// or on the complete topology spread over the members that arrived).
     pub mixing: Vec<(String, f64)>,
     pub bytes_sent: u64,
     pub bytes_received: u64,

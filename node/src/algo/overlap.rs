@@ -20,7 +20,7 @@
 //!   every neighbour's, `θ' = OuterStep(θ_t, θ_t − x_t)` ([`own_term`]), and round t+1 trains
 //!   from `θ'`. When the exchange ends, the difference the neighbours make,
 //!   `L_t = Σ_{j≠i} w'_ij (x_t − x_t^j)` (the row as applied: a neighbour that sent nothing
-//!   usable has returned its weight to self and is not in the sum; [`late_term`]), is added
+//!   usable is not in the sum, its weight placed by the topology; [`late_term`]), is added
 //!   to that same outer step ([`OuterOptimizer::add_to_last_step`]). The two parts sum to the
 //!   blocking round's pseudo-gradient exactly, because the row's weights sum to one:
 //!   `(θ_t − x_t) + Σ_{j≠i} w'_ij (x_t − x_t^j) = Σ_j w'_ij (θ_t − x_t^j) = Δ_t`; the step is
@@ -73,7 +73,7 @@ pub fn own_term(anchor: &[Tensor], own: &[Tensor]) -> Vec<Tensor> {
 
 /// Eager's part added when the exchange ends: `Σ_{j≠i} w_ij (x_i − x_j)` over the neighbours
 /// of `applied` (the row after the exchange, a neighbour that sent nothing usable dropped and
-/// its weight returned to self), the difference between the blocking round's mix and the own
+/// its weight placed by the topology's `MissingWeight`), the difference between the blocking round's mix and the own
 /// pseudo-gradient [`own_term`] already applied. `None` when there is no neighbour. `own` is
 /// the worker's handed-off model `x_i`, `received(j)` neighbour j's decoded local model.
 pub fn late_term<'a>(
@@ -342,6 +342,7 @@ fn copies(tensors: &[Tensor]) -> Vec<Tensor> {
 mod tests {
     use super::*;
     use gasloc_proto::manifest::OuterConfig;
+    use gasloc_proto::topology::MissingWeight;
     use gasloc_proto::RunManifest;
     use tch::{Kind, Tensor};
 
@@ -378,7 +379,7 @@ mod tests {
         let config = outer_config();
         let start = model(1);
         let models = [model(2), model(3), model(4)];
-        let row = MixingRow::uniform(0, &[1, 2]).without(&[2]);
+        let row = MixingRow::uniform(0, &[1, 2]).without(&[2], MissingWeight::ToSelf);
         let (mut a_block, mut a_over) = (copies(&start), copies(&start));
         let mut o_block = OuterOptimizer::new(&config, &start);
         let mut o_over = OuterOptimizer::new(&config, &start);
@@ -433,9 +434,11 @@ mod tests {
 
     #[test]
     fn eager_own_step_plus_the_neighbours_late_terms_is_the_blocking_outer_step() {
-        // Nesterov with μ = 0.9 over three rounds, a neighbour failing in the second: after
-        // each exchange the anchor and momentum are the blocking round's (up to rounding), and
-        // the steps taken since the hand-off are carried onto the anchor.
+        // Nesterov with μ = 0.9 over three rounds, a neighbour failing in the second (its
+        // weight returned to self) and in the third (its weight spread over the rest, as on
+        // the complete topology): after each exchange the anchor and momentum are the blocking
+        // round's (up to rounding), and the steps taken since the hand-off are carried onto
+        // the anchor.
         let config = outer_config();
         let start = model(1);
         let nominal = MixingRow::uniform(0, &[1, 2]);
@@ -452,10 +455,10 @@ mod tests {
                 .fold(0.0, f64::max)
         };
         for round in 0..3 {
-            let applied = if round == 1 {
-                nominal.without(&[2])
-            } else {
-                nominal.clone()
+            let applied = match round {
+                1 => nominal.without(&[2], MissingWeight::ToSelf),
+                2 => nominal.without(&[2], MissingWeight::OverThePresent),
+                _ => nominal.clone(),
             };
             let round_anchor = copies(&a_over);
             blocking(&applied, &mut a_block, &mut o_block, &models);
