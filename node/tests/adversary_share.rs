@@ -222,41 +222,52 @@ fn print_lowest_honest_cosine(run: &str, nodes: &[(Vec<Value>, Value)], adversar
 /// DiLoCo's invariant, kept under attack: on the complete topology a refused member's weight
 /// is spread over the members that arrived, so honest nodes that mixed the same members in
 /// every round so far hold the same anchor and give the same validation loss, to the bit.
-/// Checks the rounds from the first while every node's mixed set is the same (a payload that
-/// came too late for one node parts the anchors from there) and returns how many.
+/// Checks the rounds from the first while every node has a record with a validation loss and
+/// the same mixed set (a payload that came too late for one node parts the anchors from
+/// there, which is printed) and returns how many.
 fn assert_one_anchor(run: &str, nodes: &[(Vec<Value>, Value)]) -> usize {
-    let by_round = |records: &[Value]| -> BTreeMap<u64, (Vec<String>, Option<f64>)> {
+    struct Mixed {
+        peers: Vec<String>,
+        val_loss: Option<f64>,
+    }
+    let by_round = |records: &[Value]| -> BTreeMap<u64, Mixed> {
         records
             .iter()
             .map(|r| {
-                let mut mixed: Vec<String> =
+                let mut peers: Vec<String> =
                     mixed_peers(r).into_iter().map(str::to_string).collect();
-                mixed.sort_unstable();
-                (
-                    r["round"].as_u64().unwrap(),
-                    (mixed, r["val_loss"].as_f64()),
-                )
+                peers.sort_unstable();
+                let val_loss = r["val_loss"].as_f64();
+                (r["round"].as_u64().unwrap(), Mixed { peers, val_loss })
             })
             .collect()
     };
     let nodes: Vec<_> = nodes.iter().map(|(records, _)| by_round(records)).collect();
     let mut checked = 0;
     for round in 0.. {
-        let Some(rows) = nodes
+        let Some(at_round) = nodes
             .iter()
             .map(|n| n.get(&round))
             .collect::<Option<Vec<_>>>()
         else {
             break;
         };
-        if rows.iter().any(|(mixed, _)| *mixed != rows[0].0) {
+        if let Some(parted) = at_round.iter().find(|m| m.peers != at_round[0].peers) {
+            eprintln!(
+                "{run} round {round}: the honest nodes mixed different members ({:?} and {:?})",
+                at_round[0].peers, parted.peers
+            );
             break;
         }
-        let losses: Vec<Option<f64>> = rows.iter().map(|(_, loss)| *loss).collect();
+        let Some(losses) = at_round
+            .iter()
+            .map(|m| m.val_loss)
+            .collect::<Option<Vec<_>>>()
+        else {
+            break;
+        };
         assert!(
-            losses
-                .iter()
-                .all(|l| l.map(f64::to_bits) == losses[0].map(f64::to_bits)),
+            losses.iter().all(|l| l.to_bits() == losses[0].to_bits()),
             "{run} round {round}: the honest nodes mixed the same members but hold different \
              anchors (validation losses {losses:?})"
         );
@@ -339,7 +350,7 @@ async fn a_quarter_and_three_eighths_of_the_swarm_attacking_leave_the_honest_tra
     let (nodes, adversaries) = run(keys.path(), 6, &quarter, caps).await;
     print_lowest_honest_cosine("25 %", &nodes, &adversaries);
     check("25 %", &nodes, &adversaries, &quarter);
-    let one_anchor_25 = assert_one_anchor("25 %", &nodes);
+    let one_anchor_rounds_25 = assert_one_anchor("25 %", &nodes);
     // The node on a tenth of the bandwidth still delivers: the others mix its model.
     let slow = nodes[5].0[0]["peer"].as_str().unwrap().to_string();
     for (n, (records, _)) in nodes[..5].iter().enumerate() {
@@ -366,9 +377,9 @@ async fn a_quarter_and_three_eighths_of_the_swarm_attacking_leave_the_honest_tra
     let (nodes, adversaries) = run(keys.path(), 5, &three_eighths, &[]).await;
     print_lowest_honest_cosine("37.5 %", &nodes, &adversaries);
     check("37.5 %", &nodes, &adversaries, &three_eighths);
-    let one_anchor_37 = assert_one_anchor("37.5 %", &nodes);
+    let one_anchor_rounds_37 = assert_one_anchor("37.5 %", &nodes);
     assert!(
-        one_anchor_25 + one_anchor_37 >= 1,
+        one_anchor_rounds_25 + one_anchor_rounds_37 >= 1,
         "no round in which every honest node mixed the same members"
     );
     let (gap_37, nats_37, rounds_37) = worst_gap("37.5 %", &val_losses(&nodes), &alone);
@@ -390,7 +401,8 @@ async fn a_quarter_and_three_eighths_of_the_swarm_attacking_leave_the_honest_tra
         "37.5 %: an honest loss {nats_37:.3} nats off"
     );
     // On real text the goal, 3 %, is asserted (docs/security.md: 1.12–1.34 % at 25 % and
-    // 1.69–2.65 % at 37.5 % in two invocations).
+    // 1.69–2.65 % at 37.5 % in two invocations, each with its own identities: the margin is
+    // 0.35 points at its smallest).
     if std::env::var_os("GASLOC_ADVERSARY_DATA").is_some() {
         assert!(
             gap_25 <= 0.03,

@@ -17,8 +17,9 @@
 //! 3. the cosine at least `[gate] min_cosine` (−1, the default, turns it off), else
 //!    [`Refusal::Misaligned`].
 //!
-//! A refused payload is mixed as missing: its weight returns to self
-//! (`Topology::round_row`), the round engine's rule.
+//! A refused payload is mixed as missing, the round engine's rule: its weight returns to self,
+//! or on the complete topology is spread over the members that arrived
+//! (`Topology::round_row`, `Topology::missing_weight`).
 //!
 //! A joining node has no anchor to measure against, so the states it fetches from several
 //! live peers are measured against each other instead ([`judge_against_median`],

@@ -7,7 +7,8 @@
 //!   this file alone and cannot change with a `rand` upgrade.
 //! * [`Topology::mixing`]: the round's mixing matrix, one [`MixingRow`] per worker, with
 //!   weights kept as exact fractions `count / denominator` (every weight of the four
-//!   topologies is `1/k`, or `c/k` once missing neighbours are folded back into self).
+//!   topologies is `1/k`, `c/k` once missing neighbours are folded back into self, or
+//!   `1/(k−m)` once m are left out of the complete topology's mean).
 //! * [`MixingRow::without`]: a neighbour that did not arrive is dropped and its weight goes
 //!   where the topology's [`MissingWeight`] says: back to self on the gossip topologies
 //!   (ALGORITHMS.md §1), over the members that arrived on the complete one (DiLoCo's mean over
