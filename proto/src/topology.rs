@@ -214,10 +214,8 @@ impl MixingRow {
         }
         let denominator = match rule {
             MissingWeight::ToSelf => {
-                for t in &mut terms {
-                    if t.0 == self.worker {
-                        t.1 += dropped;
-                    }
+                if let Some(own) = terms.iter_mut().find(|t| t.0 == self.worker) {
+                    own.1 += dropped;
                 }
                 self.denominator
             }

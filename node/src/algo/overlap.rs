@@ -74,8 +74,9 @@ pub fn own_term(anchor: &[Tensor], own: &[Tensor]) -> Vec<Tensor> {
 /// Eager's part added when the exchange ends: `Σ_{j≠i} w_ij (x_i − x_j)` over the neighbours
 /// of `applied` (the row after the exchange, a neighbour that sent nothing usable dropped and
 /// its weight placed by the topology's `MissingWeight`), the difference between the blocking
-/// round's mix and the own pseudo-gradient [`own_term`] already applied. `None` when there is no neighbour. `own` is
-/// the worker's handed-off model `x_i`, `received(j)` neighbour j's decoded local model.
+/// round's mix and the own pseudo-gradient [`own_term`] already applied. `None` when there is
+/// no neighbour. `own` is the worker's handed-off model `x_i`, `received(j)` neighbour j's
+/// decoded local model.
 pub fn late_term<'a>(
     applied: &MixingRow,
     own: &[Tensor],
