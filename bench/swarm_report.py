@@ -15,7 +15,10 @@ from each node's second round on (`steady`: a node's first round also holds its 
 with overlapped rounds, an exchange that no earlier round's steps hid), the idle share
 (1 − utilisation), the share of round time spent waiting for the exchange (`wait_s` over
 `round_s`), inner steps, the exchanges that failed or were refused out of those the rounds
-planned, and each configuration's time-to-target ratio against REFERENCE. With
+planned, where the trainer's time went besides its steps (the round records' `trainer`:
+serving the round before between steps, waiting for its outer step, the hand-off and payload,
+the deadline left unused; shares of the steady rounds' wall time), and each configuration's
+time-to-target ratio against REFERENCE. With
 --tokens-per-step (sequence length x micro-batch x accumulation), also the tokens per second of
 one node (the nodes' mean, steady rounds): over wall time, and over the trainer's busy time.
 """
@@ -100,6 +103,15 @@ def main():
             f"(transfer {median([x['transfer_s'] for x in rounds]):.2f} s), round {median([x['round_s'] for x in rounds]):.2f} s, "
             f"sent {median([x['bytes_sent'] for x in rounds]) / 1e6:.1f} MB"
         )
+        # The trainer's time besides its steps, as shares of the steady rounds' wall time.
+        if r["steady_wall"]:
+            parts = {p: sum(x.get("trainer", {}).get(f"{p}_s", 0.0) for x in rounds) / r["steady_wall"]
+                     for p in ("served", "waited", "payload", "unused")}
+            print(
+                f"  {'':24s} trainer's other time (steady, share of wall): between steps serving the round before "
+                f"{parts['served']:.1%}, waiting for its outer step {parts['waited']:.1%}, "
+                f"hand-off and payload {parts['payload']:.1%}, deadline left unused {parts['unused']:.1%}"
+            )
     for c in configs:
         if c != reference:
             print(f"  ratio {c} / {reference} time to target: {reached[c] / reached[reference]:.2f}")

@@ -50,6 +50,7 @@ use gasloc_proto::manifest::{Algorithm, InnerOptimizerKind, Overlap, Payload};
 use gasloc_proto::pace::{InnerSteps, MovingAverage};
 use gasloc_proto::wire::DType;
 use gasloc_proto::RunManifest;
+use gasloc_status::TrainerTime;
 use sha2::{Digest, Sha256};
 use std::collections::VecDeque;
 use std::path::PathBuf;
@@ -446,10 +447,14 @@ impl RoundTrainer {
         let mut loss_sum = 0.0;
         let mut steps = 0u64;
         let mut busy = 0.0;
+        let mut trainer = TrainerTime::default();
         loop {
+            let t0 = Instant::now();
             self.serve_handed_off(inbox, false)?;
+            trainer.served_s += t0.elapsed().as_secs_f64();
             let left = order.deadline.remaining(unix_ms()).as_secs_f64();
             if steps >= rule.for_deadline(steps, left, self.step_time.get()) {
+                trainer.unused_s = left;
                 break;
             }
             let t0 = Instant::now();
@@ -461,15 +466,21 @@ impl RoundTrainer {
             steps += 1;
         }
         if self.overlap.is_some() {
+            let t0 = Instant::now();
             self.serve_handed_off(inbox, true)?;
-            self.hand_off(order.round)?;
+            trainer.waited_s = t0.elapsed().as_secs_f64();
         }
+        let t0 = Instant::now();
+        self.hand_off(order.round)?;
+        let payload = self.payload(order.round)?;
+        trainer.payload_s = t0.elapsed().as_secs_f64();
         Ok(Trained {
-            payload: self.payload(order.round)?,
+            payload,
             inner_steps: steps,
             step_time_s: self.step_time.get().unwrap_or(0.0),
             train_s: busy,
             train_loss: (steps > 0).then(|| loss_sum / steps as f64),
+            trainer,
         })
     }
 

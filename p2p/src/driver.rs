@@ -306,6 +306,7 @@ impl RoundDriver {
                                 step_time_s: trained.step_time_s,
                                 train_s: trained.train_s,
                                 train_loss: trained.train_loss,
+                                trainer: trained.trainer,
                             }
                         }
                         Err(e) => {

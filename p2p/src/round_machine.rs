@@ -39,8 +39,8 @@ use gasloc_proto::manifest::is_full_sync_round;
 use gasloc_proto::pace::MovingAverage;
 use gasloc_proto::topology::{MixingRow, Topology};
 use gasloc_proto::wire::{control_message::Body, Announce, Commit, ControlMessage, Reveal};
-use gasloc_status::RefusedPayload;
 pub use gasloc_status::RoundRecord;
+use gasloc_status::{RefusedPayload, TrainerTime};
 use libp2p::PeerId;
 use rand::rngs::StdRng;
 use rand::RngCore;
@@ -110,6 +110,8 @@ pub enum Input {
         /// Seconds the inner steps took (the trainer's busy time).
         train_s: f64,
         train_loss: Option<f64>,
+        /// Where the trainer's other time went.
+        trainer: TrainerTime,
     },
     /// The round's exchange is over: one outcome per neighbour (a neighbour without one
     /// counts as failed).
@@ -212,6 +214,7 @@ struct InFlight {
     step_time_s: f64,
     train_s: f64,
     train_loss: Option<f64>,
+    trainer: TrainerTime,
     ready_at_ms: Option<u64>,
     exchange_started_ms: Option<u64>,
     exchange_done_ms: Option<u64>,
@@ -345,9 +348,10 @@ impl RoundMachine {
                 step_time_s,
                 train_s,
                 train_loss,
+                trainer,
             } => {
                 let trained = (inner_steps, step_time_s, train_s, train_loss);
-                self.on_trained(round, trained, now, &mut out)
+                self.on_trained(round, trained, trainer, now, &mut out)
             }
             Input::Exchanged { round, outcomes } => {
                 self.on_exchanged(round, outcomes, now, &mut out)
@@ -428,6 +432,7 @@ impl RoundMachine {
         &mut self,
         round: u64,
         trained: (u64, f64, f64, Option<f64>),
+        trainer: TrainerTime,
         now: u64,
         out: &mut Vec<Output>,
     ) {
@@ -439,6 +444,7 @@ impl RoundMachine {
         a.step_time_s = step_time_s;
         a.train_s = train_s;
         a.train_loss = train_loss;
+        a.trainer = trainer;
         a.ready_at_ms = Some(now);
         a.phase = Phase::Agreeing;
         self.last_inner_steps = inner_steps;
@@ -663,6 +669,7 @@ impl RoundMachine {
                 step_time_s: 0.0,
                 train_s: 0.0,
                 train_loss: None,
+                trainer: TrainerTime::default(),
                 ready_at_ms: None,
                 exchange_started_ms: None,
                 exchange_done_ms: None,
@@ -828,6 +835,7 @@ impl RoundMachine {
             train_s: a.train_s,
             wall_s: 0.0,              // set by on_finished
             compute_utilization: 0.0, // set by on_finished
+            trainer: a.trainer,
             train_loss: a.train_loss,
             val_loss,
             decided_after_ms: a.decided_at_ms.saturating_sub(round_start),
@@ -988,6 +996,12 @@ mod tests {
             step_time_s: 0.1,
             train_s: 4.24,
             train_loss: Some(2.0),
+            trainer: TrainerTime {
+                served_s: 0.25,
+                waited_s: 0.0,
+                payload_s: 0.5,
+                unused_s: 0.125,
+            },
         }
     }
 
@@ -1096,6 +1110,12 @@ mod tests {
         // The first round's wall time counts from its start: 4.24 s busy of 5.3.
         assert_eq!((record.train_s, record.wall_s), (4.24, 5.3));
         assert!((record.compute_utilization - 0.8).abs() < 1e-12);
+        // Where the trainer's other time went, as the trainer reported it.
+        assert_eq!(
+            (record.trainer.served_s, record.trainer.payload_s),
+            (0.25, 0.5)
+        );
+        assert_eq!(record.trainer.unused_s, 0.125);
         assert_eq!(record.decided_after_ms, 1000);
         assert_eq!(record.val_loss, Some(1.5));
         assert_eq!(record.mixing[0], (peer(0).to_string(), 0.5));

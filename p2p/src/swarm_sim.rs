@@ -44,6 +44,7 @@ use crate::round_machine::{
 use crate::schedule::{RoundSchedule, Timing};
 use gasloc_proto::topology::Topology;
 use gasloc_proto::wire::{control_message::Body, ControlMessage};
+use gasloc_status::TrainerTime;
 use libp2p::identity::Keypair;
 use libp2p::PeerId;
 use rand::rngs::StdRng;
@@ -444,6 +445,12 @@ impl Sim {
                             step_time_s: self.config.step_time_s,
                             train_s: steps as f64 * self.config.step_time_s,
                             train_loss: None,
+                            // What is left of the training window after whole steps.
+                            trainer: TrainerTime {
+                                unused_s: (trained_s - steps as f64 * self.config.step_time_s)
+                                    .max(0.0),
+                                ..TrainerTime::default()
+                            },
                         },
                     )
                 }

@@ -18,6 +18,7 @@ use gasloc_proto::gate::Refusal;
 use gasloc_proto::manifest::is_full_sync_round;
 use gasloc_proto::topology::MixingRow;
 use gasloc_proto::wire::PayloadKind;
+use gasloc_status::TrainerTime;
 use libp2p::PeerId;
 use std::future::Future;
 use std::pin::Pin;
@@ -117,6 +118,8 @@ pub struct Trained {
     pub train_s: f64,
     /// Mean training loss over the round's steps (None for the synthetic trainer).
     pub train_loss: Option<f64>,
+    /// Where the trainer's time went besides the inner steps.
+    pub trainer: TrainerTime,
 }
 
 /// What the round's outer step mixes: the row to apply and the payloads it names.

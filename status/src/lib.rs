@@ -15,5 +15,5 @@ pub use metrics::{BootstrapMetrics, NodeMetrics};
 pub use server::StatusServer;
 pub use snapshot::{
     BannedPeer, BootstrapStatus, DataStatus, GateReading, NodeState, NodeStatus, Reachability,
-    RefusedPayload, RoundRecord, StateSyncReport,
+    RefusedPayload, RoundRecord, StateSyncReport, TrainerTime,
 };

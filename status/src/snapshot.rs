@@ -143,6 +143,8 @@ pub struct RoundRecord {
     pub wall_s: f64,
     /// `train_s / wall_s`: the share of the round the trainer computed.
     pub compute_utilization: f64,
+    /// Where the trainer thread's time went in this round besides its inner steps.
+    pub trainer: TrainerTime,
     pub train_loss: Option<f64>,
     pub val_loss: Option<f64>,
     /// Milliseconds from the round start until the round was decided.
@@ -162,6 +164,26 @@ pub struct RoundRecord {
     pub reachability: Reachability,
     /// Hole punches since the node started (filled in by the driver).
     pub hole_punches: u64,
+}
+
+/// Where the trainer thread spent a round's time besides its inner steps (`train_s`): the
+/// trainer's side of what keeps `compute_utilization` below 1. The rest of the round's wall
+/// time the trainer waited for its orders (blocking rounds: the exchange and the outer step).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
+#[serde(default)]
+pub struct TrainerTime {
+    /// Seconds spent between two inner steps on the round handed off before this one: its
+    /// payload gate and outer step (overlapped rounds).
+    pub served_s: f64,
+    /// Seconds after the last inner step waiting for that round's outer step before this
+    /// round could hand off (overlapped rounds whose exchange outlasted the next steps).
+    pub waited_s: f64,
+    /// Seconds from the last inner step to the payload ready: the hand-off and the payload's
+    /// encoding.
+    pub payload_s: f64,
+    /// Seconds of the steps' deadline still left when they stopped, because one more step
+    /// would not have fit.
+    pub unused_s: f64,
 }
 
 /// What the payload gate measured of one neighbour's payload: how close an honest peer lies

@@ -140,6 +140,26 @@ fn overlapped_rounds_train_through_slow_exchanges_a_kill_and_a_restart() {
         "node2's inner steps got {budget:.2} s of a 5 s round"
     );
     assert!(busy > 0.75, "node2 computed {busy:.3} of its rounds");
+    // The trainer accounts for the steps' budget: its steps, the round before served
+    // between them, and what was left unused when one more step would not fit add up to the
+    // budget, less the moment the trainer took to pick up its order.
+    for r in &slow {
+        let t = &r["trainer"];
+        let part = |key: &str| t[key].as_f64().unwrap();
+        let accounted = r["train_s"].as_f64().unwrap() + part("served_s") + part("unused_s");
+        let budget = r["budget_s"].as_f64().unwrap();
+        eprintln!(
+            "node2 round {}: steps, serving and unused {accounted:.3} s of {budget:.3} s",
+            r["round"]
+        );
+        assert!(
+            accounted > 0.9 * budget && accounted < budget + 0.25,
+            "node2 round {}: steps, serving and unused time {accounted:.3} s of a {budget:.3} s \
+             budget ({t})",
+            r["round"]
+        );
+        assert!(part("payload_s") > 0.0, "node2 round {}: {t}", r["round"]);
+    }
     // Node 4's partner of the round it was killed in mixed it as missing (or, killed before
     // its reveal, the round left it out), and went on.
     let missed_node4 = reports[..3].iter().flatten().any(|r| {
