@@ -15,7 +15,7 @@ from each node's second round on (`steady`: a node's first round also holds its 
 with overlapped rounds, an exchange that no earlier round's steps hid), the idle share
 (1 − utilisation), the share of round time spent waiting for the exchange (`wait_s` over
 `round_s`), inner steps, the exchanges that failed or were refused out of those the rounds
-planned, where the trainer's time went besides its steps (the round records' `trainer`:
+planned, where the trainer's time went besides its steps (the round records' `trainer_time`:
 serving the round before between steps, waiting for its outer step, the hand-off and payload,
 the deadline left unused; shares of the steady rounds' wall time), and each configuration's
 time-to-target ratio against REFERENCE. With
@@ -105,7 +105,7 @@ def main():
         )
         # The trainer's time besides its steps, as shares of the steady rounds' wall time.
         if r["steady_wall"]:
-            parts = {p: sum(x.get("trainer", {}).get(f"{p}_s", 0.0) for x in rounds) / r["steady_wall"]
+            parts = {p: sum(x.get("trainer_time", {}).get(f"{p}_s", 0.0) for x in rounds) / r["steady_wall"]
                      for p in ("served", "waited", "payload", "unused")}
             print(
                 f"  {'':24s} trainer's other time (steady, share of wall): between steps serving the round before "

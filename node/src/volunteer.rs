@@ -447,14 +447,14 @@ impl RoundTrainer {
         let mut loss_sum = 0.0;
         let mut steps = 0u64;
         let mut busy = 0.0;
-        let mut trainer = TrainerTime::default();
+        let mut trainer_time = TrainerTime::default();
         loop {
             let t0 = Instant::now();
             self.serve_handed_off(inbox, false)?;
-            trainer.served_s += t0.elapsed().as_secs_f64();
+            trainer_time.served_s += t0.elapsed().as_secs_f64();
             let left = order.deadline.remaining(unix_ms()).as_secs_f64();
             if steps >= rule.for_deadline(steps, left, self.step_time.get()) {
-                trainer.unused_s = left;
+                trainer_time.unused_s = left;
                 break;
             }
             let t0 = Instant::now();
@@ -468,19 +468,19 @@ impl RoundTrainer {
         if self.overlap.is_some() {
             let t0 = Instant::now();
             self.serve_handed_off(inbox, true)?;
-            trainer.waited_s = t0.elapsed().as_secs_f64();
+            trainer_time.waited_s = t0.elapsed().as_secs_f64();
         }
         let t0 = Instant::now();
         self.hand_off(order.round)?;
         let payload = self.payload(order.round)?;
-        trainer.payload_s = t0.elapsed().as_secs_f64();
+        trainer_time.payload_s = t0.elapsed().as_secs_f64();
         Ok(Trained {
             payload,
             inner_steps: steps,
             step_time_s: self.step_time.get().unwrap_or(0.0),
             train_s: busy,
             train_loss: (steps > 0).then(|| loss_sum / steps as f64),
-            trainer,
+            trainer_time,
         })
     }
 

@@ -306,7 +306,7 @@ impl RoundDriver {
                                 step_time_s: trained.step_time_s,
                                 train_s: trained.train_s,
                                 train_loss: trained.train_loss,
-                                trainer: trained.trainer,
+                                trainer_time: trained.trainer_time,
                             }
                         }
                         Err(e) => {

@@ -111,7 +111,7 @@ pub enum Input {
         train_s: f64,
         train_loss: Option<f64>,
         /// Where the trainer's other time went.
-        trainer: TrainerTime,
+        trainer_time: TrainerTime,
     },
     /// The round's exchange is over: one outcome per neighbour (a neighbour without one
     /// counts as failed).
@@ -214,7 +214,7 @@ struct InFlight {
     step_time_s: f64,
     train_s: f64,
     train_loss: Option<f64>,
-    trainer: TrainerTime,
+    trainer_time: TrainerTime,
     ready_at_ms: Option<u64>,
     exchange_started_ms: Option<u64>,
     exchange_done_ms: Option<u64>,
@@ -348,10 +348,10 @@ impl RoundMachine {
                 step_time_s,
                 train_s,
                 train_loss,
-                trainer,
+                trainer_time,
             } => {
                 let trained = (inner_steps, step_time_s, train_s, train_loss);
-                self.on_trained(round, trained, trainer, now, &mut out)
+                self.on_trained(round, trained, trainer_time, now, &mut out)
             }
             Input::Exchanged { round, outcomes } => {
                 self.on_exchanged(round, outcomes, now, &mut out)
@@ -432,7 +432,7 @@ impl RoundMachine {
         &mut self,
         round: u64,
         trained: (u64, f64, f64, Option<f64>),
-        trainer: TrainerTime,
+        trainer_time: TrainerTime,
         now: u64,
         out: &mut Vec<Output>,
     ) {
@@ -444,7 +444,7 @@ impl RoundMachine {
         a.step_time_s = step_time_s;
         a.train_s = train_s;
         a.train_loss = train_loss;
-        a.trainer = trainer;
+        a.trainer_time = trainer_time;
         a.ready_at_ms = Some(now);
         a.phase = Phase::Agreeing;
         self.last_inner_steps = inner_steps;
@@ -669,7 +669,7 @@ impl RoundMachine {
                 step_time_s: 0.0,
                 train_s: 0.0,
                 train_loss: None,
-                trainer: TrainerTime::default(),
+                trainer_time: TrainerTime::default(),
                 ready_at_ms: None,
                 exchange_started_ms: None,
                 exchange_done_ms: None,
@@ -835,7 +835,7 @@ impl RoundMachine {
             train_s: a.train_s,
             wall_s: 0.0,              // set by on_finished
             compute_utilization: 0.0, // set by on_finished
-            trainer: a.trainer,
+            trainer_time: a.trainer_time,
             train_loss: a.train_loss,
             val_loss,
             decided_after_ms: a.decided_at_ms.saturating_sub(round_start),
@@ -996,7 +996,7 @@ mod tests {
             step_time_s: 0.1,
             train_s: 4.24,
             train_loss: Some(2.0),
-            trainer: TrainerTime {
+            trainer_time: TrainerTime {
                 served_s: 0.25,
                 waited_s: 0.0,
                 payload_s: 0.5,
@@ -1111,11 +1111,10 @@ mod tests {
         assert_eq!((record.train_s, record.wall_s), (4.24, 5.3));
         assert!((record.compute_utilization - 0.8).abs() < 1e-12);
         // Where the trainer's other time went, as the trainer reported it.
-        assert_eq!(
-            (record.trainer.served_s, record.trainer.payload_s),
-            (0.25, 0.5)
-        );
-        assert_eq!(record.trainer.unused_s, 0.125);
+        let Input::Trained { trainer_time, .. } = trained(0) else {
+            unreachable!()
+        };
+        assert_eq!(record.trainer_time, trainer_time);
         assert_eq!(record.decided_after_ms, 1000);
         assert_eq!(record.val_loss, Some(1.5));
         assert_eq!(record.mixing[0], (peer(0).to_string(), 0.5));

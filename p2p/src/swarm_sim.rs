@@ -446,7 +446,7 @@ impl Sim {
                             train_s: steps as f64 * self.config.step_time_s,
                             train_loss: None,
                             // What is left of the training window after whole steps.
-                            trainer: TrainerTime {
+                            trainer_time: TrainerTime {
                                 unused_s: (trained_s - steps as f64 * self.config.step_time_s)
                                     .max(0.0),
                                 ..TrainerTime::default()

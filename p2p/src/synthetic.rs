@@ -93,7 +93,7 @@ impl RoundWork for SyntheticTrainer {
                 step_time_s: this.step_time.as_secs_f64(),
                 train_s: began.elapsed().as_secs_f64(),
                 train_loss: None,
-                trainer: Default::default(),
+                trainer_time: Default::default(),
             })
         })
     }

@@ -119,7 +119,7 @@ pub struct Trained {
     /// Mean training loss over the round's steps (None for the synthetic trainer).
     pub train_loss: Option<f64>,
     /// Where the trainer's time went besides the inner steps.
-    pub trainer: TrainerTime,
+    pub trainer_time: TrainerTime,
 }
 
 /// What the round's outer step mixes: the row to apply and the payloads it names.

@@ -144,7 +144,7 @@ pub struct RoundRecord {
     /// `train_s / wall_s`: the share of the round the trainer computed.
     pub compute_utilization: f64,
     /// Where the trainer thread's time went in this round besides its inner steps.
-    pub trainer: TrainerTime,
+    pub trainer_time: TrainerTime,
     pub train_loss: Option<f64>,
     pub val_loss: Option<f64>,
     /// Milliseconds from the round start until the round was decided.
@@ -166,23 +166,27 @@ pub struct RoundRecord {
     pub hole_punches: u64,
 }
 
-/// Where the trainer thread spent a round's time besides its inner steps (`train_s`): the
-/// trainer's side of what keeps `compute_utilization` below 1. The rest of the round's wall
-/// time the trainer waited for its orders (blocking rounds: the exchange and the outer step).
+/// Where the trainer thread spent a round's time besides its inner steps (`train_s`), from
+/// its training order to its payload ready: the trainer's side of what keeps
+/// `compute_utilization` below 1. A blocking round's exchange, and its gate and outer step
+/// (which the trainer serves after the payload), are not in it. An overlapped round's steps
+/// begin before its `wall_s` window opens (at the round before's outer step), so these parts
+/// and `train_s` add up to the wall time over many rounds, not within one.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 #[serde(default)]
 pub struct TrainerTime {
-    /// Seconds spent between two inner steps on the round handed off before this one: its
-    /// payload gate and outer step (overlapped rounds).
+    /// Overlapped rounds: seconds, until the inner steps stopped, serving the round handed off
+    /// before this one (its payload gate and outer step) between steps.
     pub served_s: f64,
-    /// Seconds after the last inner step waiting for that round's outer step before this
-    /// round could hand off (overlapped rounds whose exchange outlasted the next steps).
+    /// Overlapped rounds: seconds after the last inner step until the round before's outer
+    /// step was done (waiting for its exchange, and serving its gate and outer step if they
+    /// came then): a round hands off only after the one before is finished.
     pub waited_s: f64,
-    /// Seconds from the last inner step to the payload ready: the hand-off and the payload's
-    /// encoding.
+    /// Seconds, after any such wait, to the payload ready: the hand-off (eager's own outer
+    /// step; on a checkpoint round the moments' snapshot) and the payload's encoding.
     pub payload_s: f64,
-    /// Seconds of the steps' deadline still left when they stopped, because one more step
-    /// would not have fit.
+    /// Seconds of the steps' deadline left when they stopped: with adaptive H_i less than one
+    /// step (one more would not have fit); with a fixed H, or at H_max, whatever remained.
     pub unused_s: f64,
 }
 

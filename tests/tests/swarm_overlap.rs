@@ -144,7 +144,7 @@ fn overlapped_rounds_train_through_slow_exchanges_a_kill_and_a_restart() {
     // between them, and what was left unused when one more step would not fit add up to the
     // budget, less the moment the trainer took to pick up its order.
     for r in &slow {
-        let t = &r["trainer"];
+        let t = &r["trainer_time"];
         let part = |key: &str| t[key].as_f64().unwrap();
         let accounted = r["train_s"].as_f64().unwrap() + part("served_s") + part("unused_s");
         let budget = r["budget_s"].as_f64().unwrap();
@@ -158,7 +158,6 @@ fn overlapped_rounds_train_through_slow_exchanges_a_kill_and_a_restart() {
              budget ({t})",
             r["round"]
         );
-        assert!(part("payload_s") > 0.0, "node2 round {}: {t}", r["round"]);
     }
     // Node 4's partner of the round it was killed in mixed it as missing (or, killed before
     // its reveal, the round left it out), and went on.
