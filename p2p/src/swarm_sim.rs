@@ -437,18 +437,18 @@ impl Sim {
                     let t = n.training.take().expect("checked");
                     let trained_s = now.saturating_sub(t.started) as f64 / 1000.0;
                     let steps = (trained_s / self.config.step_time_s).floor().max(1.0) as u64;
+                    let train_s = steps as f64 * self.config.step_time_s;
                     (
                         node,
                         Input::Trained {
                             round,
                             inner_steps: steps,
                             step_time_s: self.config.step_time_s,
-                            train_s: steps as f64 * self.config.step_time_s,
+                            train_s,
                             train_loss: None,
                             // What is left of the training window after whole steps.
                             trainer_time: TrainerTime {
-                                unused_s: (trained_s - steps as f64 * self.config.step_time_s)
-                                    .max(0.0),
+                                unused_s: (trained_s - train_s).max(0.0),
                                 ..TrainerTime::default()
                             },
                         },
