@@ -7,9 +7,10 @@
 #        bench/sim_experiments.sh 2best  (DAdam vs GASLoC η 1, μ 0.3 on the four topologies)
 #        SIM_MODEL=demo bench/sim_experiments.sh 4demo  (LoRDO rank d/8 vs DiLoCo, demo shape)
 #        [SIM_ROUNDS_OVERLAP=30] [SIM_SEEDS="1234 99"] [SIM_LINKS="one-peer:8 two-peer:16"]
-#        [SIM_MODES="none delayed eager"] [SIM_MODEL=demo] bench/sim_experiments.sh 6
+#        [SIM_MODES="none delayed eager"] [SIM_MODEL=demo] [SIM_FRAGMENTS=3] bench/sim_experiments.sh 6
 #        (overlapped rounds; SIM_MODEL=demo: the demo model's shape, d 128, 4 layers, instead
-#        of the tiny one, same data settings)
+#        of the tiny one, same data settings; SIM_FRAGMENTS=P: the model in P fragments, rounds
+#        of 30/P steps, each exchanging one)
 #        [SIM_ROUNDS_OVERLAP=30] [SIM_SEEDS=1234] [SIM_MOMENTA="0.8 0.7"] bench/sim_experiments.sh 6mu
 #        (delayed overlap with less outer momentum; SIM_LINKS="two-peer:16" for two-peer)
 # Writes runs/exp/<name>[-demo][-seedS]/ (rounds.csv, workers.csv, rounds.json, summary.md, loss.svg) and the
@@ -149,13 +150,19 @@ exp6() { # overlapped rounds: none / delayed / eager on one-peer and two-peer; 2
   # SIM_SEEDS (default 1234) names the run seeds, SIM_LINKS the topology:Mbit/s pairs,
   # SIM_MODES the overlap modes. With SIM_MODEL=demo (3.2 MB payload) the links for the same
   # 40 % are one-peer:50 two-peer:100.
-  local ro=${SIM_ROUNDS_OVERLAP:-30} seed t mode
+  # SIM_FRAGMENTS=P (default 1) splits the model into P fragments ([outer] fragments): rounds
+  # of 30/P inner steps, P times as many, each exchanging one fragment, so every fragment is
+  # still synced every 30 steps and the runs take the same inner steps; named …-pP.
+  local ro=${SIM_ROUNDS_OVERLAP:-30} p=${SIM_FRAGMENTS:-1} seed t mode name
+  if ((30 % p != 0)); then echo "SIM_FRAGMENTS=$p must divide 30" >&2; return 1; fi
   for seed in ${SIM_SEEDS:-1234}; do
     for t in ${SIM_LINKS:-one-peer:8 two-peer:16}; do
       for mode in ${SIM_MODES:-none delayed eager}; do
-        SIM_SEED=$seed sim "e6-${t%%:*}-$mode" "$ro" $((ro * 30)) \
-          "topology = \"${t%%:*}\"\ninner_steps = 30\noverlap = \"$mode\"" '' \
-          --step-time-ms 25 --bandwidth-mbps "${t##*:}" --latency-ms 20 --eval-every 5
+        name="e6-${t%%:*}-$mode"
+        ((p > 1)) && name+="-p$p"
+        SIM_SEED=$seed sim "$name" $((ro * p)) $((ro * 30)) \
+          "topology = \"${t%%:*}\"\ninner_steps = $((30 / p))\noverlap = \"$mode\"\nfragments = $p" '' \
+          --step-time-ms 25 --bandwidth-mbps "${t##*:}" --latency-ms 20 --eval-every $((5 * p))
       done
     done
   done

@@ -110,7 +110,7 @@ impl LordoWire {
         }
         PayloadTables {
             kind: PayloadKind::Lordo,
-            every_round: Arc::new(every_round),
+            by_fragment: vec![Arc::new(every_round)],
             full_sync: Some((self.full_sync_every, Arc::new(full_sync))),
         }
     }

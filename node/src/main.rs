@@ -421,11 +421,12 @@ fn sim(args: SimArgs) -> Result<()> {
     let data = Arc::new(open_run_data(&args.data, &manifest.data)?);
     let mut simulation = Simulation::new(&manifest, data, options.clone())?;
     println!(
-        "run_id={} algorithm={} topology={} overlap={} workers={} model_params={}",
+        "run_id={} algorithm={} topology={} overlap={} fragments={} workers={} model_params={}",
         manifest.run_id(),
         manifest.outer.algorithm.name(),
         manifest.outer.topology.name(),
         manifest.outer.overlap.name(),
+        manifest.outer.fragments,
         options.workers,
         simulation.parameter_count()
     );

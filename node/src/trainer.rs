@@ -253,6 +253,15 @@ impl Trainer {
         }
     }
 
+    /// Overwrites the parameters of fragment `members` (tensor indices, in order) with
+    /// `values`; the others keep theirs.
+    pub fn set_fragment(&mut self, members: &[usize], values: &[Tensor]) {
+        let _guard = tch::no_grad_guard();
+        for (&k, v) in members.iter().zip(values) {
+            self.params[k].1.copy_(v);
+        }
+    }
+
     pub fn inner_optimizer(&self) -> &InnerOptimizer {
         &self.optimizer
     }

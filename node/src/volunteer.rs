@@ -29,7 +29,7 @@
 //! in which a joiner asked for it (`Received::want_state`), not every round. A checkpoint is the anchor as an HF
 //! model plus the AdamW moments, the data cursor, the outer momentum and the next round.
 
-use crate::algo::outer::{mixed_pseudo_gradient, weighted_mix, OuterOptimizer};
+use crate::algo::outer::{fragment_of, mixed_pseudo_gradient, weighted_mix, OuterOptimizer};
 use crate::algo::overlap::{LocalModel, OverlapError, OverlappedOuter};
 use crate::checkpoint::{self, Checkpoint};
 use crate::lordo_wire::LordoWire;
@@ -45,6 +45,7 @@ use gasloc_p2p::work::{
     Trained, WorkFuture,
 };
 use gasloc_p2p::PeerId;
+use gasloc_proto::fragments::Fragments;
 use gasloc_proto::gate::{PayloadGate, PayloadStats, Refusal};
 use gasloc_proto::manifest::{Algorithm, InnerOptimizerKind, Overlap, Payload};
 use gasloc_proto::pace::{InnerSteps, MovingAverage};
@@ -238,6 +239,9 @@ struct RoundTrainer {
     /// θ_i, on the trainer's device.
     anchor: Vec<Tensor>,
     outer: OuterOptimizer,
+    /// The model's fragments (`[outer] fragments`): round r sends, mixes and outer-steps
+    /// only the tensors of `fragments.of_round_members(r)` (every tensor with one fragment).
+    fragments: Fragments,
     /// Judges each received model before it is mixed (`[gate]` of the manifest).
     gate: PayloadGate,
     /// `[outer] payload = "lordo"`: the low-rank payload's sender and decoder.
@@ -318,6 +322,9 @@ impl RoundTrainer {
         let outer = OuterOptimizer::new(&manifest.outer, &anchor);
         let names = trainer.parameter_names();
         let shapes: Vec<Vec<i64>> = anchor.iter().map(|t| t.size()).collect();
+        let sizes: Vec<u64> = anchor.iter().map(|t| t.numel() as u64).collect();
+        let fragments = Fragments::split(&sizes, manifest.outer.fragments)
+            .map_err(|e| anyhow!("[outer] {e}"))?;
         let lordo_wire = match (&manifest.outer.payload, trainer.inner_optimizer()) {
             (Payload::Lordo, InnerOptimizer::Lordo(lordo)) => Some(LordoWire::new(
                 &names,
@@ -355,6 +362,7 @@ impl RoundTrainer {
             shapes,
             anchor,
             outer,
+            fragments,
             gate: PayloadGate::with_accepted(manifest.gate.clone(), gate_accepted),
             lordo_wire,
             val,
@@ -412,11 +420,21 @@ impl RoundTrainer {
     fn payload_tables(&self) -> PayloadTables {
         match &self.lordo_wire {
             Some(wire) => wire.tables(),
-            None => PayloadTables::model(
-                self.names
-                    .iter()
-                    .zip(&self.shapes)
-                    .map(|(n, s)| tensor_spec(n.clone(), s, self.payload_dtype))
+            None => PayloadTables::model_fragments(
+                (0..self.fragments.count())
+                    .map(|f| {
+                        self.fragments
+                            .members(f)
+                            .iter()
+                            .map(|&k| {
+                                tensor_spec(
+                                    self.names[k].clone(),
+                                    &self.shapes[k],
+                                    self.payload_dtype,
+                                )
+                            })
+                            .collect()
+                    })
                     .collect(),
             ),
         }
@@ -528,12 +546,19 @@ impl RoundTrainer {
         let Some(overlap) = self.overlap.as_mut() else {
             return Ok(());
         };
-        let local: Vec<Tensor> = self.trainer.parameters();
+        // The round's fragment (every tensor with one fragment).
+        let members = self.fragments.of_round_members(round);
+        let local = fragment_of(&self.trainer.parameters(), members);
         let trains_from = overlap
-            .hand_off(round, &mut self.anchor, &mut self.outer, &local)
+            .hand_off(
+                round,
+                &mut fragment_of(&self.anchor, members),
+                &mut self.outer.fragment(members),
+                &local,
+            )
             .map_err(|e| anyhow!("overlapped round {round}: {e}"))?;
         if let LocalModel::Replace(x) = trains_from {
-            self.trainer.set_parameters(&x);
+            self.trainer.set_fragment(members, &x);
         }
         let saves = self.options.checkpoint_every > 0
             && self.rounds_since_checkpoint + 1 >= self.options.checkpoint_every;
@@ -559,9 +584,10 @@ impl RoundTrainer {
             _ => Kind::Float,
         };
         let tensors = self
-            .names
-            .iter()
-            .zip(self.own_payload_model())
+            .fragments
+            .pick(round, &self.names)
+            .into_iter()
+            .zip(self.own_payload_model(round))
             .map(|(name, t)| to_wire(name.clone(), &t, kind, self.payload_dtype))
             .collect::<Result<Vec<_>>>()?;
         Ok(TensorSet::new(tensors))
@@ -575,12 +601,12 @@ impl RoundTrainer {
     /// pseudo-gradient it sent.
     fn screen(&mut self, round: u64, candidates: Vec<Candidate>) -> Result<Vec<Screened>> {
         let _guard = tch::no_grad_guard();
-        let anchor = self.round_anchor();
+        let anchor = self.round_anchor(round);
         let own_delta: Vec<Tensor> = match self.lordo_wire.as_ref().and_then(|w| w.own(round)) {
             Some(sent) => sent.iter().map(Tensor::shallow_clone).collect(),
             None => anchor
                 .iter()
-                .zip(self.own_payload_model())
+                .zip(self.own_payload_model(round))
                 .map(|(a, x)| a - x)
                 .collect(),
         };
@@ -603,7 +629,7 @@ impl RoundTrainer {
                         });
                     (stats, None)
                 }
-                None => match self.decode_model(&candidate.tensors, device) {
+                None => match self.decode_model(round, &candidate.tensors, device) {
                     Ok(model) => {
                         // `θ_i − x_j`, tensor by tensor.
                         let differences = candidate
@@ -658,41 +684,53 @@ impl RoundTrainer {
         Ok(screened)
     }
 
-    /// A model payload (already checked against its table) as fp32 tensors on `device`; a
-    /// tensor that does not decode is refused as malformed, named.
-    fn decode_model(&self, payload: &TensorSet, device: Device) -> Result<Vec<Tensor>, Refusal> {
+    /// Round `round`'s model payload (already checked against its table: the round's
+    /// fragment) as fp32 tensors on `device`; a tensor that does not decode is refused as
+    /// malformed, named.
+    fn decode_model(
+        &self,
+        round: u64,
+        payload: &TensorSet,
+        device: Device,
+    ) -> Result<Vec<Tensor>, Refusal> {
         payload
             .tensors
             .iter()
-            .zip(&self.shapes)
+            .zip(self.fragments.pick(round, &self.shapes))
             .map(|(wire, shape)| {
                 from_wire(wire, shape, device).map_err(|e| malformed(&wire.name, e))
             })
             .collect()
     }
 
-    /// The anchor the round being screened started from, `θ_i`: the anchor, or with an
-    /// overlapped round pending the one it started from (eager has moved the anchor by its
-    /// own step since).
-    fn round_anchor(&self) -> Vec<Tensor> {
+    /// The anchor round `round` (the one being screened) started from, `θ_i`, of the
+    /// round's fragment: the anchor, or with an overlapped round pending the one it started
+    /// from (eager has moved the anchor by its own step since).
+    fn round_anchor(&self, round: u64) -> Vec<Tensor> {
         match self.overlap.as_ref().and_then(|o| o.pending_anchor()) {
             Some(anchor) => anchor.iter().map(Tensor::shallow_clone).collect(),
-            None => self.anchor.iter().map(Tensor::shallow_clone).collect(),
+            None => fragment_of(&self.anchor, self.fragments.of_round_members(round)),
         }
     }
 
-    /// This node's model as it sent it this round: the trainer's parameters, or with
-    /// overlapped rounds the model handed off (the trainer has moved on since).
-    fn own_payload_model(&self) -> Vec<Tensor> {
+    /// This node's model as it sent it in round `round`, the round's fragment: the
+    /// trainer's parameters, or with overlapped rounds the model handed off (the trainer has
+    /// moved on since).
+    fn own_payload_model(&self, round: u64) -> Vec<Tensor> {
         match self.overlap.as_ref().and_then(|o| o.handed_off()) {
             Some(handed) => handed.iter().map(Tensor::shallow_clone).collect(),
-            None => self.trainer.parameters(),
+            None => fragment_of(
+                &self.trainer.parameters(),
+                self.fragments.of_round_members(round),
+            ),
         }
     }
 
     fn finish(&mut self, received: Received) -> Result<Finished> {
         let device = self.trainer.device();
-        let own = self.own_payload_model();
+        let own = self.own_payload_model(received.round);
+        // The round's fragment (every tensor with one fragment): what it mixes and steps.
+        let members = self.fragments.of_round_members(received.round).to_vec();
         // The `lordo` payload mixes pseudo-gradients (and, on a full-sync round, anchors);
         // a model payload mixes models.
         let lordo = match &self.lordo_wire {
@@ -711,7 +749,7 @@ impl RoundTrainer {
                 let decoded = match kept {
                     Some(k) => self.accepted_models.swap_remove(k).2,
                     None => self
-                        .decode_model(&arrived.tensors, device)
+                        .decode_model(round, &arrived.tensors, device)
                         .with_context(|| format!("decoding the model from {}", arrived.peer))?,
                 };
                 models.push((arrived.index, decoded));
@@ -741,9 +779,13 @@ impl RoundTrainer {
                         }
                         delta
                     }
-                    None => mixed_pseudo_gradient(&received.mixing, &self.anchor, model),
+                    None => {
+                        let anchor = fragment_of(&self.anchor, &members);
+                        mixed_pseudo_gradient(&received.mixing, &anchor, model)
+                    }
                 };
-                self.outer.step(&mut self.anchor, &delta);
+                let mut anchor = fragment_of(&self.anchor, &members);
+                self.outer.fragment(&members).step(&mut anchor, &delta);
                 // LoRDO: each projected matrix's basis becomes the top-r singular vectors
                 // of its mixed pseudo-gradient, as the simulator does (under DiLoCo the
                 // global mean: the paper's global projection).
@@ -755,8 +797,9 @@ impl RoundTrainer {
                         "lordo bases refreshed from the mixed pseudo-gradient"
                     );
                 }
-                self.trainer.set_parameters(&self.anchor);
-                evaluate.then(|| self.trainer.evaluate(&self.val))
+                // The fragment starts the next round from its new anchor; the others train on.
+                self.trainer.set_fragment(&members, &anchor);
+                evaluate.then(|| self.evaluate_anchor())
             }
             Some(overlap) => {
                 // The outer step of the round handed off; the steps the next round took
@@ -765,22 +808,18 @@ impl RoundTrainer {
                 overlap
                     .arrived(received.round, &received.mixing, model)
                     .map_err(overlapped)?;
-                let local = self.trainer.parameters();
+                let local = fragment_of(&self.trainer.parameters(), &members);
                 let carried = overlap
-                    .apply(&mut self.anchor, &mut self.outer, &local)
+                    .apply(
+                        &mut fragment_of(&self.anchor, &members),
+                        &mut self.outer.fragment(&members),
+                        &local,
+                    )
                     .map_err(overlapped)?;
                 if let LocalModel::Replace(x) = carried {
-                    self.trainer.set_parameters(&x);
+                    self.trainer.set_fragment(&members, &x);
                 }
-                // The anchor is evaluated, not the model in training.
-                evaluate.then(|| {
-                    let training: Vec<Tensor> =
-                        self.trainer.parameters().iter().map(Tensor::copy).collect();
-                    self.trainer.set_parameters(&self.anchor);
-                    let loss = self.trainer.evaluate(&self.val);
-                    self.trainer.set_parameters(&training);
-                    loss
-                })
+                evaluate.then(|| self.evaluate_anchor())
             }
         };
         self.round = received.round + 1;
@@ -801,6 +840,21 @@ impl RoundTrainer {
             },
             val_loss,
         })
+    }
+
+    /// The validation loss of the anchor, not of the model in training. After a blocking
+    /// whole-model round the trainer holds the anchor; otherwise (overlapped rounds, or
+    /// fragments not synced this round) the anchor is set for the evaluation and the local
+    /// model put back after.
+    fn evaluate_anchor(&mut self) -> f64 {
+        if self.overlap.is_none() && self.fragments.is_whole() {
+            return self.trainer.evaluate(&self.val);
+        }
+        let training: Vec<Tensor> = self.trainer.parameters().iter().map(Tensor::copy).collect();
+        self.trainer.set_parameters(&self.anchor);
+        let loss = self.trainer.evaluate(&self.val);
+        self.trainer.set_parameters(&training);
+        loss
     }
 
     /// Anchor and outer momentum, fp32, for state sync.
@@ -889,7 +943,15 @@ impl RoundTrainer {
     /// that round, from the anchor it started from.
     fn save(&mut self) -> Result<()> {
         if let Some(overlap) = self.overlap.as_mut() {
-            if let Some(round) = overlap.drop_pending(&mut self.anchor, &mut self.outer) {
+            let members = overlap
+                .pending_round()
+                .map(|round| self.fragments.of_round_members(round).to_vec())
+                .unwrap_or_default();
+            let dropped = overlap.drop_pending(
+                &mut fragment_of(&self.anchor, &members),
+                &mut self.outer.fragment(&members),
+            );
+            if let Some(round) = dropped {
                 tracing::info!(round, "stopping with round {round}'s exchange pending: dropped, the checkpoint resumes at that round");
                 self.round = round;
                 self.trainer.set_parameters(&self.anchor);

@@ -194,6 +194,8 @@ fn delayed_overlap_with_an_instantaneous_exchange_is_the_blocking_run_bit_for_bi
         "topology = \"one-peer\"\ninner_steps = 3",
         "topology = \"two-peer\"\ninner_steps = 3",
         "algorithm = \"diloco\"\ninner_steps = 3",
+        "topology = \"two-peer\"\ninner_steps = 3\nfragments = 3",
+        "algorithm = \"diloco\"\ninner_steps = 3\nfragments = 2",
     ] {
         let (blocking, anchors_b) = simulate(&manifest(outer), instantaneous(4, 4));
         let (delayed, anchors_d) = simulate(
@@ -210,6 +212,51 @@ fn delayed_overlap_with_an_instantaneous_exchange_is_the_blocking_run_bit_for_bi
                 "{outer}: round {}",
                 b.round
             );
+        }
+    }
+}
+
+/// With `fragments = P` a round mixes and outer-steps only its fragment: after round t the
+/// anchors' tensors outside fragment `(t − 1) mod P` (the simulator counts rounds from 1) are
+/// those of round t − 1 bit for bit,
+/// those inside have moved, and the record's bytes are the fragment's.
+#[test]
+fn a_fragmented_round_moves_only_its_fragment() {
+    use gasloc_node::algo::payload::model_bytes;
+    use gasloc_proto::fragments::Fragments;
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    tch::set_num_threads(1);
+    let dir = tempfile::tempdir().unwrap();
+    let data = Arc::new(TokenDataset::open(&byte_data(dir.path()), 256).unwrap());
+    for overlap in ["none", "delayed"] {
+        let m = manifest(&format!(
+            "topology = \"one-peer\"\ninner_steps = 2\nfragments = 3\noverlap = \"{overlap}\""
+        ));
+        let mut sim = Simulation::new(&m, data.clone(), instantaneous(4, 4)).unwrap();
+        let mut before = sim.anchors().unwrap();
+        let sizes: Vec<u64> = before[0].iter().map(|t| t.numel() as u64).collect();
+        let fragments = Fragments::split(&sizes, 3).unwrap();
+        for round in 1..=4u64 {
+            let record = sim.run_round().unwrap();
+            let after = sim.anchors().unwrap();
+            // The simulator's round t is the node's t − 1 (numbered from 0).
+            let members = fragments.of_round_members(round - 1);
+            for (b, a) in before.iter().zip(&after) {
+                for (k, (x, y)) in b.iter().zip(a).enumerate() {
+                    assert_eq!(
+                        x.equal(y),
+                        !members.contains(&k),
+                        "{overlap}, round {round}, tensor {k} (fragment {members:?})"
+                    );
+                }
+            }
+            let fragment: Vec<Tensor> = members.iter().map(|&k| after[0][k].copy()).collect();
+            assert_eq!(
+                record.workers[0].bytes_sent,
+                model_bytes(&fragment, 4),
+                "{overlap}, round {round}: one fragment, fp32, to one peer"
+            );
+            before = after;
         }
     }
 }

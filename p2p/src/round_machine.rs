@@ -35,6 +35,7 @@
 
 use crate::links::{train_deadline, LinkEstimates};
 use crate::schedule::{Action, RoundPlan, RoundSchedule, Timing};
+use gasloc_proto::fragments::fragment_of_round;
 use gasloc_proto::manifest::is_full_sync_round;
 use gasloc_proto::pace::MovingAverage;
 use gasloc_proto::topology::{MixingRow, Topology};
@@ -65,11 +66,14 @@ pub struct MachineConfig {
     pub overlap: bool,
 }
 
-/// Bytes of one round's payload: the same every round, or (the LoRDO payload, whose
-/// full-sync rounds carry the anchor too) larger every `every`-th round.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Bytes of one round's payload: the same every round, one size per model fragment in turn
+/// (`[outer] fragments`), or (the LoRDO payload, whose full-sync rounds carry the anchor too)
+/// larger every `every`-th round.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PayloadBytes {
-    pub every_round: u64,
+    /// The payload of each fragment, round r sending fragment
+    /// [`fragment_of_round`]`(r, len)`: one entry for whole-model payloads.
+    pub by_fragment: Vec<u64>,
     /// `(every, bytes)`: the payload of a round `r` with `is_full_sync_round(r, every)`.
     pub full_sync: Option<(u64, u64)>,
 }
@@ -78,7 +82,7 @@ impl PayloadBytes {
     /// A payload of `bytes` every round.
     pub fn fixed(bytes: u64) -> Self {
         PayloadBytes {
-            every_round: bytes,
+            by_fragment: vec![bytes],
             full_sync: None,
         }
     }
@@ -87,7 +91,10 @@ impl PayloadBytes {
     pub fn of_round(&self, round: u64) -> u64 {
         match self.full_sync {
             Some((every, bytes)) if is_full_sync_round(round, every) => bytes,
-            _ => self.every_round,
+            _ => {
+                let f = fragment_of_round(round, self.by_fragment.len());
+                self.by_fragment.get(f).copied().unwrap_or(0)
+            }
         }
     }
 }

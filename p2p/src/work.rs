@@ -14,6 +14,7 @@
 
 use crate::round_machine::PayloadBytes;
 use crate::tensors::{TensorSet, TensorSpec};
+use gasloc_proto::fragments::fragment_of_round;
 use gasloc_proto::gate::Refusal;
 use gasloc_proto::manifest::is_full_sync_round;
 use gasloc_proto::topology::MixingRow;
@@ -30,13 +31,15 @@ use std::time::Duration;
 pub type WorkFuture<T> = Pin<Box<dyn Future<Output = anyhow::Result<T>> + Send>>;
 
 /// The payloads this node sends and expects: their kind, and the table of every round's
-/// payload — the same every round, or (the `lordo` payload) a larger one on its full-sync
-/// rounds, which carry the sender's anchor too. An incoming payload is checked against the
-/// table of its round.
+/// payload — the same every round, one per model fragment in turn (`[outer] fragments`), or
+/// (the `lordo` payload) a larger one on its full-sync rounds, which carry the sender's
+/// anchor too. An incoming payload is checked against the table of its round.
 #[derive(Debug, Clone)]
 pub struct PayloadTables {
     pub kind: PayloadKind,
-    pub every_round: Arc<Vec<TensorSpec>>,
+    /// The table of each fragment's payload, round r sending fragment
+    /// [`fragment_of_round`]`(r, len)`: one table for whole-model payloads.
+    pub by_fragment: Vec<Arc<Vec<TensorSpec>>>,
     /// `(every, table)`: the table of a round `r` with `is_full_sync_round(r, every)`.
     pub full_sync: Option<(u64, Arc<Vec<TensorSpec>>)>,
 }
@@ -44,9 +47,14 @@ pub struct PayloadTables {
 impl PayloadTables {
     /// A model payload: one table, every round.
     pub fn model(table: Vec<TensorSpec>) -> Self {
+        Self::model_fragments(vec![table])
+    }
+
+    /// A model payload in fragments: `tables[f]` is fragment f's, sent in its rounds.
+    pub fn model_fragments(tables: Vec<Vec<TensorSpec>>) -> Self {
         PayloadTables {
             kind: PayloadKind::Model,
-            every_round: Arc::new(table),
+            by_fragment: tables.into_iter().map(Arc::new).collect(),
             full_sync: None,
         }
     }
@@ -55,7 +63,7 @@ impl PayloadTables {
     pub fn for_round(&self, round: u64) -> Arc<Vec<TensorSpec>> {
         match &self.full_sync {
             Some((every, table)) if is_full_sync_round(round, *every) => table.clone(),
-            _ => self.every_round.clone(),
+            _ => self.by_fragment[fragment_of_round(round, self.by_fragment.len())].clone(),
         }
     }
 
@@ -63,7 +71,7 @@ impl PayloadTables {
     pub fn bytes(&self) -> PayloadBytes {
         let bytes = |table: &[TensorSpec]| table.iter().filter_map(|t| t.byte_length()).sum();
         PayloadBytes {
-            every_round: bytes(&self.every_round),
+            by_fragment: self.by_fragment.iter().map(|t| bytes(t)).collect(),
             full_sync: self
                 .full_sync
                 .as_ref()
@@ -237,7 +245,7 @@ mod tests {
         full.push(spec("anchor.w", 100));
         let tables = PayloadTables {
             kind: PayloadKind::Lordo,
-            every_round: Arc::new(every_round),
+            by_fragment: vec![Arc::new(every_round)],
             full_sync: Some((4, Arc::new(full))),
         };
         let bytes = tables.bytes();
@@ -252,5 +260,18 @@ mod tests {
         let model = PayloadTables::model(vec![spec("w", 100)]);
         assert_eq!(model.bytes(), PayloadBytes::fixed(200));
         assert_eq!(model.for_round(4).len(), 1);
+    }
+
+    #[test]
+    fn a_fragmented_model_payload_sends_each_fragment_in_turn() {
+        let tables = PayloadTables::model_fragments(vec![
+            vec![spec("a", 10), spec("c", 5)],
+            vec![spec("b", 12)],
+        ]);
+        let bytes = tables.bytes();
+        for (round, first, expected) in [(0, "a", 30), (1, "b", 24), (2, "a", 30), (3, "b", 24)] {
+            assert_eq!(tables.for_round(round)[0].name, first, "round {round}");
+            assert_eq!(bytes.of_round(round), expected, "round {round}");
+        }
     }
 }

@@ -4,11 +4,13 @@
 //! * [`run_id`]: the run id ([`RunId`]: 32 bytes, 64 hex digits to people);
 //! * [`topology`]: round permutations, communication graphs and mixing weights;
 //! * [`pace`]: the adaptive H_i rule and the moving averages it rests on;
-//! * [`gate`]: the payload gate, whether a neighbour's model may be mixed.
+//! * [`gate`]: the payload gate, whether a neighbour's model may be mixed;
+//! * [`fragments`]: the model split into fragments, and which one a round exchanges.
 //!
 //! Nothing here depends on libtorch, so the bootstrap node builds without it.
 //! `wire` holds the protobuf messages specified by `proto/gasloc.proto`.
 
+pub mod fragments;
 pub mod gate;
 pub mod manifest;
 pub mod pace;

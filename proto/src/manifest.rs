@@ -267,6 +267,10 @@ pub fn pin_shards_in_text(
 /// The largest shard a manifest may pin (1 TiB): bounds every size derived from the table.
 pub const MAX_SHARD_BYTES: u64 = 1 << 40;
 
+/// The most fragments `[outer] fragments` may name (each round then exchanges at least 1/64
+/// of the model).
+pub const MAX_FRAGMENTS: usize = 64;
+
 impl DataConfig {
     /// Tokens consumed by one optimizer step.
     pub fn tokens_per_step(&self) -> usize {
@@ -526,6 +530,20 @@ pub struct OuterConfig {
     /// bytes when `none`, so the run ids of blocking runs do not depend on it.
     #[serde(default, skip_serializing_if = "Overlap::is_none")]
     pub overlap: Overlap,
+    /// P: the model's tensors in P fragments, round t (from 0) mixing and outer-stepping only
+    /// fragment `t mod P` (Streaming DiLoCo; [`crate::fragments`]). 1, the whole model every
+    /// round, is left out of the canonical bytes, so the run ids of whole-model runs do not
+    /// depend on it.
+    #[serde(default = "one_fragment", skip_serializing_if = "is_one_fragment")]
+    pub fragments: usize,
+}
+
+fn one_fragment() -> usize {
+    1
+}
+
+fn is_one_fragment(p: &usize) -> bool {
+    *p == 1
 }
 
 /// `[outer]` as written: every key optional, defaults depend on the algorithm.
@@ -544,6 +562,7 @@ struct OuterSection {
     payload: Option<Payload>,
     inner_optimizer: Option<InnerOptimizerKind>,
     overlap: Option<Overlap>,
+    fragments: Option<usize>,
 }
 
 /// `[lordo]`: the low-rank inner optimizer and payload (used when selected in `[outer]`).
@@ -706,6 +725,7 @@ fn resolve_outer(s: &OuterSection) -> Result<OuterConfig, (&'static str, String)
         payload: s.payload.unwrap_or(Payload::ModelFp32),
         inner_optimizer: s.inner_optimizer.unwrap_or(InnerOptimizerKind::Adamw),
         overlap: s.overlap.unwrap_or_default(),
+        fragments: s.fragments.unwrap_or(1),
     })
 }
 
@@ -1136,6 +1156,24 @@ impl RunManifest {
                 ),
             ));
         }
+        if u.fragments == 0 || u.fragments > MAX_FRAGMENTS {
+            return Err((
+                "outer.fragments",
+                format!("= {} must lie in [1, {MAX_FRAGMENTS}]", u.fragments),
+            ));
+        }
+        if u.fragments > 1 && u.algorithm == Algorithm::Ddp {
+            return Err((
+                "outer.fragments",
+                "does not apply to algorithm \"ddp\" (it averages gradients every step)".into(),
+            ));
+        }
+        if u.fragments > 1 && u.inner_optimizer == InnerOptimizerKind::Lordo {
+            return Err((
+                "outer.fragments",
+                "is not supported with inner_optimizer \"lordo\" (its bases are refreshed from the whole model's pseudo-gradient)".into(),
+            ));
+        }
         if l.rank == 0 {
             return Err(("lordo.rank", "must be at least 1".into()));
         }
@@ -1343,6 +1381,13 @@ decay_steps = 100
                 "inner_optimizer = \"lordo\"\npayload = \"lordo\"\noverlap = \"eager\"",
                 "outer.overlap",
             ),
+            ("fragments = 0", "outer.fragments"),
+            ("fragments = 65", "outer.fragments"),
+            ("algorithm = \"ddp\"\nfragments = 2", "outer.fragments"),
+            (
+                "inner_optimizer = \"lordo\"\nfragments = 2",
+                "outer.fragments",
+            ),
         ];
         for (outer, key) in cases {
             let e = with(outer);
@@ -1416,6 +1461,23 @@ decay_steps = 100
         }
         ids.dedup();
         assert_eq!(ids.len(), 3, "each mode is another run");
+    }
+
+    #[test]
+    fn fragments_are_part_of_the_run_id_only_when_more_than_one() {
+        let plain = RunManifest::parse(TINY, "x").unwrap();
+        assert_eq!(plain.outer.fragments, 1);
+        let one = RunManifest::parse(&format!("{TINY}[outer]\nfragments = 1\n"), "x").unwrap();
+        assert_eq!(one.run_id(), plain.run_id(), "1 spelled out is the default");
+        assert!(!String::from_utf8(plain.canonical_bytes())
+            .unwrap()
+            .contains("fragments"));
+        let three = RunManifest::parse(&format!("{TINY}[outer]\nfragments = 3\n"), "x").unwrap();
+        assert_eq!(three.outer.fragments, 3);
+        assert!(String::from_utf8(three.canonical_bytes())
+            .unwrap()
+            .contains("fragments = 3"));
+        assert_ne!(three.run_id(), plain.run_id());
     }
 
     #[test]

@@ -11,14 +11,17 @@
 //! and goes on; restarted, node 4 resumes from that checkpoint. `eager`: node 3 (capped) is
 //! stopped with SIGTERM while an exchange is under way: it completes that round, saves, and
 //! resumes there when restarted; a fifth node joins late and syncs the swarm's state (the
-//! anchors and outer momenta of nodes whose rounds overlap). Every node ends cleanly and its
-//! validation loss falls.
+//! anchors and outer momenta of nodes whose rounds overlap). `delayed` with `fragments = 3`:
+//! each round sends, mixes and outer-steps a third of the model, the three thirds in turn; a
+//! node is stopped mid-exchange and resumes, a fifth joins late. Every node ends cleanly and
+//! its validation loss falls.
 
 use gasloc_tests::{
     field, join_command, read_report, start_join, start_training_swarm, val_losses, Proc, TestDir,
     ADAPTIVE_ONE_PEER,
 };
 use serde_json::Value;
+use std::path::Path;
 use std::time::Duration;
 
 fn mean_of(records: &[Value], key: &str) -> f64 {
@@ -47,6 +50,61 @@ fn assert_no_old_round_refusals(reports: &[(usize, Vec<Value>)], steady: &[usize
             }
         }
     }
+}
+
+/// Starts nodes 1 to 4 of a swarm and waits until each has started fresh: node `stopped`
+/// with `stopped_extra` (it will be stopped and restarted), the others with `--rounds rounds`.
+fn start_four(
+    dir: &Path,
+    boot: &str,
+    data: &Path,
+    stopped: usize,
+    stopped_extra: &[&str],
+    rounds: &str,
+) -> Vec<Proc> {
+    let mut nodes: Vec<Proc> = (1..=4)
+        .map(|i| {
+            let extra: &[&str] = if i == stopped {
+                stopped_extra
+            } else {
+                &["--rounds", rounds]
+            };
+            start_join(dir, boot, data, i, extra)
+        })
+        .collect();
+    for node in &mut nodes {
+        node.wait_for_line("start=fresh", Duration::from_secs(60));
+    }
+    nodes
+}
+
+/// SIGTERM to `node` while the exchange of the round after its checkpoint of round
+/// `checkpointed` (or later) is under way; it must end cleanly. Returns that round.
+fn stop_mid_exchange(node: &mut Proc, checkpointed: u64) -> u64 {
+    let long = Duration::from_secs(90);
+    let exchanging = node.wait_for_checkpoint_round(checkpointed, long) + 1;
+    node.wait_for_log(&format!("round {exchanging}: exchange started"), long);
+    node.terminate();
+    node.expect_success(Duration::from_secs(60));
+    exchanging
+}
+
+/// Restarts node `i` (stopped, its newest checkpoint at round `newest`) for 2 rounds and
+/// checks that it resumes at that round.
+fn restart_resumed(dir: &Path, boot: &str, data: &Path, i: usize, newest: u64) -> Proc {
+    let home = dir.join(format!("node{i}"));
+    let mut restarted = Proc::spawn(
+        &format!("node{i}-restarted"),
+        dir,
+        join_command(boot, &home, data, &["--rounds", "2"]),
+    );
+    let resumed = restarted.wait_for_line("start=resumed", Duration::from_secs(90));
+    assert_eq!(
+        field(&resumed, "round").map(str::to_owned),
+        Some(newest.to_string()),
+        "{resumed}"
+    );
+    restarted
 }
 
 #[test]
@@ -174,27 +232,14 @@ fn eager_overlapped_rounds_stop_cleanly_mid_exchange_and_resume() {
     let outer = format!("{ADAPTIVE_ONE_PEER}overlap = \"eager\"\n");
     let (_bootstrap, boot, data) = start_training_swarm(dir, "swarm-eager-test", 17, &outer);
     let home = |i: usize| dir.join(format!("node{i}"));
-    let mut nodes: Vec<Proc> = (1..=4)
-        .map(|i| {
-            let extra: &[&str] = match i {
-                3 => &["--checkpoint-every", "1", "--max-upload-rate", "350k"],
-                _ => &["--rounds", "8"],
-            };
-            start_join(dir, &boot, &data, i, extra)
-        })
-        .collect();
-    for node in &mut nodes {
-        node.wait_for_line("start=fresh", Duration::from_secs(60));
-    }
+    let capped = ["--checkpoint-every", "1", "--max-upload-rate", "350k"];
+    let mut nodes = start_four(dir, &boot, &data, 3, &capped, "8");
 
     // Node 3: SIGTERM while the exchange of a round after its checkpoint of round 2 is
     // under way. A stop finishes what is in flight: that exchange and its outer step, the
     // round training, then the checkpoint.
     let long = Duration::from_secs(90);
-    let exchanging = nodes[2].wait_for_checkpoint_round(2, long) + 1;
-    nodes[2].wait_for_log(&format!("round {exchanging}: exchange started"), long);
-    nodes[2].terminate();
-    nodes[2].expect_success(Duration::from_secs(60));
+    let exchanging = stop_mid_exchange(&mut nodes[2], 2);
     let stopped: Vec<Value> = read_report(&home(3));
     let last = stopped
         .iter()
@@ -211,17 +256,7 @@ fn eager_overlapped_rounds_stop_cleanly_mid_exchange_and_resume() {
         last + 1,
         "the checkpoint at the stop resumes after the last round recorded"
     );
-    let mut restarted = Proc::spawn(
-        "node3-restarted",
-        dir,
-        join_command(&boot, &home(3), &data, &["--rounds", "2"]),
-    );
-    let resumed = restarted.wait_for_line("start=resumed", long);
-    assert_eq!(
-        field(&resumed, "round").map(str::to_owned),
-        Some(newest.to_string()),
-        "{resumed}"
-    );
+    let mut restarted = restart_resumed(dir, &boot, &data, 3, newest);
     // A late joiner: its state comes from the live nodes, each mid-overlap.
     let mut joiner = start_join(dir, &boot, &data, 5, &["--rounds", "2"]);
     let synced = joiner.wait_for_line("state_synced_from=", long);
@@ -257,4 +292,77 @@ fn eager_overlapped_rounds_stop_cleanly_mid_exchange_and_resume() {
     eprintln!(
         "node3: stopped while round {exchanging} exchanged; last round {last}, resumed at {newest}"
     );
+}
+
+/// `[outer] fragments = 3` with `delayed` overlap: every round's payload is one fragment of
+/// the model, the fragments in turn (rounds three apart send the same bytes, and each is
+/// about a third of the whole model's), every node checks each payload against its round's
+/// fragment and accepts its partners', a node stopped mid-exchange resumes where it saved,
+/// a late joiner syncs the whole state, and every validation loss falls.
+#[test]
+fn fragmented_overlapped_rounds_send_each_fragment_in_turn() {
+    let dir = TestDir::new();
+    let dir = dir.path();
+    let outer = format!("{ADAPTIVE_ONE_PEER}overlap = \"delayed\"\nfragments = 3\n");
+    let (_bootstrap, boot, data) = start_training_swarm(dir, "swarm-fragments-test", 19, &outer);
+    let home = |i: usize| dir.join(format!("node{i}"));
+    let capped = ["--checkpoint-every", "1", "--max-upload-rate", "150k"];
+    let mut nodes = start_four(dir, &boot, &data, 2, &capped, "9");
+    // Node 2: SIGTERM while an exchange after its checkpoint of round 3 is under way.
+    stop_mid_exchange(&mut nodes[1], 3);
+    let newest = nodes[1].checkpoint_rounds().into_iter().max().unwrap();
+    let mut restarted = restart_resumed(dir, &boot, &data, 2, newest);
+    let mut joiner = start_join(dir, &boot, &data, 5, &["--rounds", "2"]);
+    joiner.wait_for_line("state_synced_from=", Duration::from_secs(90));
+    for node in nodes.iter_mut().filter(|n| n.name != "node2") {
+        node.expect_success(Duration::from_secs(120));
+    }
+    restarted.expect_success(Duration::from_secs(60));
+    joiner.expect_success(Duration::from_secs(60));
+
+    // The tiny model's whole fp32 payload is 0.53 MB; each round sends one fragment of it.
+    const WHOLE_MODEL_BYTES: f64 = 525_568.0;
+    for i in [1, 3, 4] {
+        let records = read_report(&home(i));
+        let mut per_round = std::collections::BTreeMap::new();
+        for r in &records {
+            assert!(
+                r["refused"].as_array().unwrap().is_empty(),
+                "node{i} round {}: a payload was refused: {}",
+                r["round"],
+                r["refused"]
+            );
+            let exchanged = r["exchanged"].as_array().unwrap().len() as u64;
+            if let Some(sent) = r["bytes_sent"].as_u64().unwrap().checked_div(exchanged) {
+                per_round.insert(r["round"].as_u64().unwrap(), sent);
+            }
+        }
+        assert!(per_round.len() >= 6, "node{i}: {per_round:?}");
+        for (&round, &sent) in &per_round {
+            let share = sent as f64 / WHOLE_MODEL_BYTES;
+            assert!(
+                (0.2..0.5).contains(&share),
+                "node{i} round {round}: sent {sent} bytes to a partner, {share:.2} of the model"
+            );
+            if let Some(&later) = per_round.get(&(round + 3)) {
+                assert_eq!(
+                    sent,
+                    later,
+                    "node{i}: rounds {round} and {} send one fragment",
+                    round + 3
+                );
+            }
+        }
+        let sizes: std::collections::BTreeSet<u64> = per_round.values().copied().collect();
+        assert!(
+            sizes.len() >= 2,
+            "node{i}: one payload size {sizes:?}: not in fragments"
+        );
+        let losses = val_losses(&records);
+        eprintln!("node{i}: validation losses {losses:.3?}, bytes per partner {per_round:?}");
+        assert!(
+            losses.len() >= 3 && losses.last() < losses.first(),
+            "node{i}: validation losses {losses:?}"
+        );
+    }
 }

@@ -59,6 +59,15 @@ pub fn weighted_mix<'a>(row: &MixingRow, sent: impl Fn(usize) -> &'a [Tensor]) -
         .collect()
 }
 
+/// The tensors of fragment `members` (indices, `gasloc_proto::fragments`), sharing storage
+/// with `tensors`: what is done to them in place (an outer step) is done to `tensors`.
+pub fn fragment_of(tensors: &[Tensor], members: &[usize]) -> Vec<Tensor> {
+    members
+        .iter()
+        .map(|&k| tensors[k].shallow_clone())
+        .collect()
+}
+
 /// DiLoCo's all-reduce: `mean_j(θ − x_j)` over all workers, summed in worker order.
 pub fn all_reduce_mean(anchor: &[Tensor], models: &[Vec<Tensor>]) -> Vec<Tensor> {
     let _guard = tch::no_grad_guard();
@@ -114,6 +123,17 @@ impl OuterOptimizer {
             momentum: self.momentum,
             nesterov: self.nesterov,
             buffers: self.buffers.iter().map(Tensor::copy).collect(),
+        }
+    }
+
+    /// The optimizer of fragment `members` (tensor indices, `gasloc_proto::fragments`): its
+    /// momentum buffers are this one's, shared, so a step of the fragment moves them here.
+    pub fn fragment(&self, members: &[usize]) -> OuterOptimizer {
+        OuterOptimizer {
+            lr: self.lr,
+            momentum: self.momentum,
+            nesterov: self.nesterov,
+            buffers: fragment_of(&self.buffers, members),
         }
     }
 

@@ -329,7 +329,8 @@ impl OverlappedOuter {
             for (a, theta) in anchor.iter_mut().zip(&p.anchor) {
                 a.copy_(theta);
             }
-            *outer = before;
+            // In place: `outer` may be a fragment's view of the worker's optimizer.
+            outer.set_momentum(before.momentum());
         }
         Some(p.round)
     }

@@ -17,7 +17,8 @@ pub mod disagreement;
 pub mod report;
 
 use crate::algo::outer::{
-    all_reduce_mean, consensus_distance, mixed_pseudo_gradient, weighted_mix, OuterOptimizer,
+    all_reduce_mean, consensus_distance, fragment_of, mixed_pseudo_gradient, weighted_mix,
+    OuterOptimizer,
 };
 use crate::algo::overlap::{LocalModel, OverlappedOuter};
 use crate::algo::payload::{encode_lordo, model_bytes, through_bf16};
@@ -27,6 +28,7 @@ use anyhow::{bail, Result};
 use clock::{Network, Straggler};
 use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::{validation_batches, Batch, WorkerSlot};
+use gasloc_proto::fragments::Fragments;
 use gasloc_proto::manifest::{is_full_sync_round, Algorithm, Overlap, Payload};
 use gasloc_proto::pace::{
     overlapped_round_budget, standard_round_budget, InnerSteps, MovingAverage,
@@ -176,6 +178,8 @@ pub struct Simulation {
     names: Vec<String>,
     val: Vec<Batch>,
     network: Network,
+    /// The model's fragments (`[outer] fragments`): which tensors each round exchanges.
+    fragments: Fragments,
     round: u64,
     /// Bytes of the last payload (the exchange-time prediction of adaptive H_i).
     last_payload_bytes: u64,
@@ -238,8 +242,10 @@ impl Simulation {
             options.latency_ms / 1e3,
             &options.stragglers,
         );
+        let sizes: Vec<u64> = workers[0].anchor.iter().map(|t| t.numel() as u64).collect();
+        let fragments = Fragments::split(&sizes, manifest.outer.fragments)?;
         let last_payload_bytes = model_bytes(
-            &workers[0].anchor,
+            &fragment_of(&workers[0].anchor, fragments.of_round_members(0)),
             full_bytes_per_element(manifest.outer.payload),
         );
         Ok(Simulation {
@@ -249,6 +255,7 @@ impl Simulation {
             names,
             val,
             network,
+            fragments,
             round: 0,
             last_payload_bytes,
         })
@@ -275,6 +282,13 @@ impl Simulation {
             .iter()
             .map(|t| t.numel() as u64)
             .sum()
+    }
+
+    /// The tensors round `round` exchanges (its fragment; every tensor with one). The node
+    /// numbers its rounds from 0, the simulator from 1: the simulator's round t is the node's
+    /// t − 1, so both start with fragment 0.
+    fn fragment(&self, round: u64) -> &[usize] {
+        self.fragments.of_round_members(round - 1)
     }
 
     /// Runs the next round.
@@ -363,10 +377,12 @@ impl Simulation {
         let o = self.manifest.outer.clone();
         let full_sync = o.payload == Payload::Lordo
             && is_full_sync_round(self.round, self.manifest.lordo.full_sync_every);
+        // The round's fragment (the whole model with `fragments = 1`).
+        let members = self.fragment(self.round).to_vec();
         let models: Vec<Vec<Tensor>> = self
             .workers
             .iter()
-            .map(|w| w.trainer.parameters())
+            .map(|w| fragment_of(&w.trainer.parameters(), &members))
             .collect();
         let (deltas, payload_bytes): (Vec<Vec<Tensor>>, Vec<u64>) = if o.payload == Payload::Lordo {
             let (deltas, mut bytes) = self.lordo_exchange(&rows, &models)?;
@@ -376,12 +392,14 @@ impl Simulation {
             }
             (deltas, bytes)
         } else {
-            self.model_exchange(&rows, &models, o.payload)
+            self.model_exchange(&rows, &members, &models, o.payload)
         };
         match o.algorithm {
             Algorithm::Diloco => {
                 let (first, rest) = self.workers.split_at_mut(1);
-                first[0].outer.step(&mut first[0].anchor, &deltas[0]);
+                let w = &mut first[0];
+                let mut anchor = fragment_of(&w.anchor, &members);
+                w.outer.fragment(&members).step(&mut anchor, &deltas[0]);
                 for w in rest {
                     for (a, b) in w.anchor.iter_mut().zip(&first[0].anchor) {
                         a.copy_(b);
@@ -390,7 +408,8 @@ impl Simulation {
             }
             _ => {
                 for (w, d) in self.workers.iter_mut().zip(&deltas) {
-                    w.outer.step(&mut w.anchor, d);
+                    let mut anchor = fragment_of(&w.anchor, &members);
+                    w.outer.fragment(&members).step(&mut anchor, d);
                 }
             }
         }
@@ -400,7 +419,9 @@ impl Simulation {
             if let InnerOptimizer::Lordo(lordo) = w.trainer.inner_optimizer_mut() {
                 lordo.refresh_basis(&self.names, d);
             }
-            w.trainer.set_parameters(&w.anchor);
+            // The fragment starts the next round from its new anchor; the others train on.
+            w.trainer
+                .set_fragment(&members, &fragment_of(&w.anchor, &members));
         }
         self.last_payload_bytes = payload_bytes[0].max(1);
 
@@ -441,8 +462,8 @@ impl Simulation {
         let fixed_step = self.options.step_time_ms.map(|t| t / 1e3);
         let n = self.workers.len();
         let (mut losses, mut compute, mut waited, mut began) = (vec![], vec![], vec![], vec![]);
-        // Each worker's payload: its local model as handed off (eager moves the trainer on
-        // to its new anchor at the hand-off).
+        // Each worker's payload: its local model (the round's fragment of it) as handed off
+        // (eager moves the trainer on to its new anchor at the hand-off).
         let mut handed_off = Vec::with_capacity(n);
         for (i, &h) in steps.iter().enumerate() {
             let start_s = self.workers[i].clock_s;
@@ -463,13 +484,18 @@ impl Simulation {
             // A pending exchange slower than the inner steps: wait for it.
             let wait = (self.workers[i].exchange_done_s - (start_s + elapsed)).max(0.0);
             self.apply_pending(i)?;
+            let members = &self.fragment(self.round).to_vec()[..];
             let w = &mut self.workers[i];
-            let local = copies(&w.trainer.parameters());
+            let local = copies(&fragment_of(&w.trainer.parameters(), members));
             let overlap = w.overlap.as_mut().expect("an overlapped run");
-            if let LocalModel::Replace(x) =
-                overlap.hand_off(self.round, &mut w.anchor, &mut w.outer, &local)?
-            {
-                w.trainer.set_parameters(&x);
+            let mut anchor = fragment_of(&w.anchor, members);
+            if let LocalModel::Replace(x) = overlap.hand_off(
+                self.round,
+                &mut anchor,
+                &mut w.outer.fragment(members),
+                &local,
+            )? {
+                w.trainer.set_fragment(members, &x);
             }
             handed_off.push(local);
             losses.push(sum / h.max(1) as f64);
@@ -556,11 +582,22 @@ impl Simulation {
     /// Worker `i` takes its pending exchange into its anchor (the exchange has ended on the
     /// simulated clock); nothing when none is pending.
     fn apply_pending(&mut self, i: usize) -> Result<()> {
+        let pending = self.workers[i]
+            .overlap
+            .as_ref()
+            .and_then(|o| o.pending_round());
+        let Some(round) = pending else {
+            return Ok(());
+        };
+        let members = &self.fragment(round).to_vec()[..];
         let w = &mut self.workers[i];
         let overlap = w.overlap.as_mut().expect("an overlapped run");
-        let local = w.trainer.parameters();
-        if let LocalModel::Replace(x) = overlap.apply(&mut w.anchor, &mut w.outer, &local)? {
-            w.trainer.set_parameters(&x);
+        let local = fragment_of(&w.trainer.parameters(), members);
+        let mut anchor = fragment_of(&w.anchor, members);
+        if let LocalModel::Replace(x) =
+            overlap.apply(&mut anchor, &mut w.outer.fragment(members), &local)?
+        {
+            w.trainer.set_fragment(members, &x);
         }
         Ok(())
     }
@@ -570,18 +607,34 @@ impl Simulation {
     fn settled_anchors(&self) -> Result<Vec<Vec<Tensor>>> {
         self.workers
             .iter()
-            .map(|w| match &w.overlap {
-                Some(overlap) => Ok(overlap.settled_anchor(&w.anchor, &w.outer)?),
-                None => Ok(w.anchor.iter().map(Tensor::shallow_clone).collect()),
+            .map(|w| {
+                let pending = w
+                    .overlap
+                    .as_ref()
+                    .and_then(|o| Some((o, o.pending_round()?)));
+                let Some((overlap, round)) = pending else {
+                    return Ok(w.anchor.iter().map(Tensor::shallow_clone).collect());
+                };
+                // The pending round's fragment settled, the others as they are.
+                let members = self.fragment(round);
+                let settled = overlap
+                    .settled_anchor(&fragment_of(&w.anchor, members), &w.outer.fragment(members))?;
+                let mut anchor: Vec<Tensor> = w.anchor.iter().map(Tensor::shallow_clone).collect();
+                for (&k, t) in members.iter().zip(settled) {
+                    anchor[k] = t;
+                }
+                Ok(anchor)
             })
             .collect()
     }
 
-    /// The model payloads: `Δ_i = θ_i − x̄_i` (gossip) or DiLoCo's all-reduce mean; and the
+    /// The model payloads of the round's fragment `members` (`models`, fragments of the local
+    /// models): `Δ_i = θ_i − x̄_i` (gossip) or DiLoCo's all-reduce mean; and the
     /// bytes of each worker's payload.
     fn model_exchange(
         &self,
         rows: &[MixingRow],
+        members: &[usize],
         models: &[Vec<Tensor>],
         payload: Payload,
     ) -> (Vec<Vec<Tensor>>, Vec<u64>) {
@@ -599,12 +652,14 @@ impl Simulation {
         };
         let bytes = model_bytes(&models[0], if bf16 { 2 } else { 4 });
         let deltas = if self.manifest.outer.algorithm == Algorithm::Diloco {
-            vec![all_reduce_mean(&self.workers[0].anchor, &received)]
+            let anchor = fragment_of(&self.workers[0].anchor, members);
+            vec![all_reduce_mean(&anchor, &received)]
         } else {
             rows.iter()
                 .map(|row| {
                     let i = row.worker;
-                    mixed_pseudo_gradient(row, &self.workers[i].anchor, |j| {
+                    let anchor = fragment_of(&self.workers[i].anchor, members);
+                    mixed_pseudo_gradient(row, &anchor, |j| {
                         if j == i {
                             &models[i]
                         } else {
@@ -756,8 +811,11 @@ impl Simulation {
         let evaluated = if identical { 1 } else { self.workers.len() };
         let val_loss = if evaluate {
             let mut sum = 0.0;
+            // The trainer holds the anchor after a blocking whole-model round; otherwise the
+            // anchor is set for the evaluation and the local model put back after.
+            let trainer_is_anchor = self.fragments.is_whole();
             for (w, anchor) in self.workers.iter_mut().zip(&anchors).take(evaluated) {
-                if w.overlap.is_none() {
+                if w.overlap.is_none() && trainer_is_anchor {
                     sum += w.trainer.evaluate(&self.val);
                     continue;
                 }

@@ -16,6 +16,8 @@ pub struct Summary {
     pub topology: String,
     /// `[outer] overlap`: none, delayed or eager.
     pub overlap: String,
+    /// `[outer] fragments`: the model in this many fragments, one exchanged per round.
+    pub fragments: usize,
     pub workers: usize,
     pub rounds: u64,
     pub inner_steps_mean: f64,
@@ -52,6 +54,7 @@ impl Summary {
             algorithm: manifest.outer.algorithm.name().into(),
             topology: manifest.outer.topology.name().into(),
             overlap: manifest.outer.overlap.name().into(),
+            fragments: manifest.outer.fragments,
             workers: options.workers,
             rounds: records.len() as u64,
             inner_steps_mean: records.iter().map(|r| r.mean_inner_steps()).sum::<f64>() / rounds,
@@ -161,7 +164,7 @@ fn summary_markdown(manifest: &RunManifest, options: &SimOptions, s: &Summary) -
     let o = &manifest.outer;
     let mut md = format!(
         "# Simulation: {}\n\nrun id `{}`; {} workers × {} rounds; algorithm `{}`, topology `{}`, \
-         overlap `{}`, H = {} (adaptive: {}), η = {}, μ = {}, Nesterov: {}, payload `{:?}`, inner optimizer `{:?}`; \
+         overlap `{}`, fragments {}, H = {} (adaptive: {}), η = {}, μ = {}, Nesterov: {}, payload `{:?}`, inner optimizer `{:?}`; \
          links {} Mbit/s, latency {} ms{}.\n\n",
         manifest.name,
         manifest.run_id(),
@@ -170,6 +173,7 @@ fn summary_markdown(manifest: &RunManifest, options: &SimOptions, s: &Summary) -
         s.algorithm,
         s.topology,
         s.overlap,
+        s.fragments,
         o.inner_steps,
         o.adaptive_inner_steps,
         o.lr,
