@@ -14,7 +14,10 @@
 #   delayed  overlap = "delayed": the inner steps run to the round's end, the exchange runs
 #            beside the next round's, whose steps carry over onto the new anchor;
 #   eager    overlap = "eager": the same, with the node's own share of the outer step taken
-#            at the hand-off.
+#            at the hand-off;
+#   delayed-p3  overlap = "delayed" with fragments = 3: rounds of a third of the period, each
+#            exchanging a third of the model, so every fragment is synced once per period as
+#            the whole model is in the others.
 #
 # Reported per configuration (bench/swarm_report.py): compute utilisation (trainer busy time
 # over wall time), idle share, exchange wait, inner steps, wall-clock seconds until the
@@ -49,5 +52,8 @@ for mode in none delayed eager; do
   swarm_manifest "overlap-$mode" one-peer 100 true "$mode" >"$out/$mode/run.toml"
   swarm_config "$out/$mode" "$period" 4500
 done
+mkdir -p "$out/delayed-p3"
+swarm_manifest "overlap-delayed-p3" one-peer 33 true delayed 3 >"$out/delayed-p3/run.toml"
+swarm_config "$out/delayed-p3" $((period / 3)) 1500 3  # evaluated once per period, as the others
 
-"$python" "$(dirname "$0")/swarm_report.py" "$out" none none delayed eager
+"$python" "$(dirname "$0")/swarm_report.py" "$out" none none delayed eager delayed-p3

@@ -23,7 +23,7 @@ swarm_pick_links() {
   fi
 }
 
-# swarm_manifest NAME TOPOLOGY INNER_STEPS ADAPTIVE OVERLAP: the benchmarks' run manifest,
+# swarm_manifest NAME TOPOLOGY INNER_STEPS ADAPTIVE OVERLAP [FRAGMENTS]: the benchmarks' run manifest,
 # the tiny model on byte tokens (0.53 MB fp32 payload), cosine decay far away.
 swarm_manifest() {
   cat <<EOF
@@ -48,14 +48,16 @@ adaptive_inner_steps = $4
 min_inner_steps = 2
 max_inner_steps = 2000
 overlap = "$5"
+fragments = ${6:-1}
 EOF
 }
 
-# swarm_config DIR PERIOD_MS EXCHANGE_TIMEOUT_MS: a bootstrap and $nodes `gasloc-node join`
-# processes run DIR/run.toml for $seconds of rounds; each node's round records go to
-# DIR/node<i>/rounds.jsonl and the period to DIR/period_ms (for bench/swarm_report.py).
+# swarm_config DIR PERIOD_MS EXCHANGE_TIMEOUT_MS [EVAL_EVERY]: a bootstrap and $nodes
+# `gasloc-node join` processes run DIR/run.toml for $seconds of rounds, evaluating every
+# EVAL_EVERY rounds (default 1); each node's round records go to DIR/node<i>/rounds.jsonl and
+# the period to DIR/period_ms (for bench/swarm_report.py).
 swarm_config() {
-  local dir=$1 period=$2 timeout=$3
+  local dir=$1 period=$2 timeout=$3 eval_every=${4:-1}
   echo "$period" >"$dir/period_ms"
   if [ "$LINKS" = netns ]; then
     # Rounds start 8 s after the bootstrap (the harness's genesis delay); stop after
@@ -63,7 +65,7 @@ swarm_config() {
     BOOTSTRAP_ARGS="--round-period-ms $period --commit-window-ms 500 --reveal-window-ms 500 --exchange-timeout-ms $timeout" \
       TIMEOUT_S=$((seconds + 60)) bash "$(dirname "${BASH_SOURCE[0]}")/../deploy/netns-swarm.sh" "$bin" \
       "$dir/run.toml" "$dir" "$nodes" "$tbf_rate" ${tbf_slow:+"$tbf_slow"} -- --data "$(realpath "$data")" \
-      --device "${NODE_DEVICE:-cpu}" --threads "${NODE_THREADS:-1}" --rounds $((seconds * 1000 / period)) \
+      --device "${NODE_DEVICE:-cpu}" --threads "${NODE_THREADS:-1}" --rounds $((seconds * 1000 / period)) --eval-every "$eval_every" \
       >"$dir/harness.log" 2>&1 || true
   else
     swarm_pids=()
@@ -81,7 +83,7 @@ swarm_config() {
       mkdir -p "$dir/node$i"
       "$bin/gasloc-node" join --bootstrap "$boot" --data "$data" --home "$dir/node$i" \
         --listen /ip4/127.0.0.1/udp/0/quic-v1 --device "${NODE_DEVICE:-cpu}" --threads "${NODE_THREADS:-1}" \
-        --max-upload-rate "$rate" --report "$dir/node$i/rounds.jsonl" \
+        --max-upload-rate "$rate" --report "$dir/node$i/rounds.jsonl" --eval-every "$eval_every" \
         >"$dir/node$i/stdout.log" 2>"$dir/node$i/stderr.log" &
       swarm_pids+=($!)
     done

@@ -484,18 +484,18 @@ impl Simulation {
             // A pending exchange slower than the inner steps: wait for it.
             let wait = (self.workers[i].exchange_done_s - (start_s + elapsed)).max(0.0);
             self.apply_pending(i)?;
-            let members = &self.fragment(self.round).to_vec()[..];
+            let members = self.fragment(self.round).to_vec();
             let w = &mut self.workers[i];
-            let local = copies(&fragment_of(&w.trainer.parameters(), members));
+            let local = copies(&fragment_of(&w.trainer.parameters(), &members));
             let overlap = w.overlap.as_mut().expect("an overlapped run");
-            let mut anchor = fragment_of(&w.anchor, members);
+            let mut anchor = fragment_of(&w.anchor, &members);
             if let LocalModel::Replace(x) = overlap.hand_off(
                 self.round,
                 &mut anchor,
-                &mut w.outer.fragment(members),
+                &mut w.outer.fragment(&members),
                 &local,
             )? {
-                w.trainer.set_fragment(members, &x);
+                w.trainer.set_fragment(&members, &x);
             }
             handed_off.push(local);
             losses.push(sum / h.max(1) as f64);
@@ -589,15 +589,15 @@ impl Simulation {
         let Some(round) = pending else {
             return Ok(());
         };
-        let members = &self.fragment(round).to_vec()[..];
+        let members = self.fragment(round).to_vec();
         let w = &mut self.workers[i];
         let overlap = w.overlap.as_mut().expect("an overlapped run");
-        let local = fragment_of(&w.trainer.parameters(), members);
-        let mut anchor = fragment_of(&w.anchor, members);
+        let local = fragment_of(&w.trainer.parameters(), &members);
+        let mut anchor = fragment_of(&w.anchor, &members);
         if let LocalModel::Replace(x) =
-            overlap.apply(&mut anchor, &mut w.outer.fragment(members), &local)?
+            overlap.apply(&mut anchor, &mut w.outer.fragment(&members), &local)?
         {
-            w.trainer.set_fragment(members, &x);
+            w.trainer.set_fragment(&members, &x);
         }
         Ok(())
     }
