@@ -171,13 +171,17 @@ exp6() { # overlapped rounds: none / delayed / eager on one-peer and two-peer; 2
 exp6mu() { # overlap = "delayed" with less outer momentum: exp6's links and steps.
   # SIM_MOMENTA (default 0.8 0.7) names the momenta, SIM_SEEDS the run seeds, SIM_LINKS the
   # topology:Mbit/s pairs (default one-peer:8).
-  local ro=${SIM_ROUNDS_OVERLAP:-30} seed t mu
+  # SIM_FRAGMENTS as in exp6.
+  local ro=${SIM_ROUNDS_OVERLAP:-30} p=${SIM_FRAGMENTS:-1} seed t mu name
+  if ((30 % p != 0)); then echo "SIM_FRAGMENTS=$p must divide 30" >&2; return 1; fi
   for seed in ${SIM_SEEDS:-1234}; do
     for t in ${SIM_LINKS:-one-peer:8}; do
       for mu in ${SIM_MOMENTA:-0.8 0.7}; do
-        SIM_SEED=$seed sim "e6-${t%%:*}-delayed-mu$mu" "$ro" $((ro * 30)) \
-          "topology = \"${t%%:*}\"\ninner_steps = 30\noverlap = \"delayed\"\nmomentum = $mu" '' \
-          --step-time-ms 25 --bandwidth-mbps "${t##*:}" --latency-ms 20 --eval-every 5
+        name="e6-${t%%:*}-delayed-mu$mu"
+        ((p > 1)) && name+="-p$p"
+        SIM_SEED=$seed sim "$name" $((ro * p)) $((ro * 30)) \
+          "topology = \"${t%%:*}\"\ninner_steps = $((30 / p))\noverlap = \"delayed\"\nmomentum = $mu\nfragments = $p" '' \
+          --step-time-ms 25 --bandwidth-mbps "${t##*:}" --latency-ms 20 --eval-every $((5 * p))
       done
     done
   done
