@@ -24,6 +24,11 @@
 //!    the anchors, `θ_i ← Σ_j w_ij θ_j`, before the outer step), as in the simulator. The new
 //!    anchor is evaluated and, every K rounds, saved.
 //!
+//! With `[outer] fragments = P` a round's payload, mix and outer step are those of its
+//! fragment only (`gasloc_proto::fragments`: round r's is `r mod P`), through views of the
+//! anchor and momentum that share their storage; the other tensors train on. The anchor
+//! then holds each fragment as of its last sync.
+//!
 //! The state served to late joiners is the anchor and the outer momentum, named
 //! `anchor.<param>` and `outer_momentum.<param>` (fp32), made by the outer step of a round
 //! in which a joiner asked for it (`Received::want_state`), not every round. A checkpoint is the anchor as an HF
@@ -236,7 +241,8 @@ struct RoundTrainer {
     trainer: Trainer,
     names: Vec<String>,
     shapes: Vec<Vec<i64>>,
-    /// θ_i, on the trainer's device.
+    /// θ_i, on the trainer's device (with `[outer] fragments`, each fragment as of its
+    /// last sync).
     anchor: Vec<Tensor>,
     outer: OuterOptimizer,
     /// The model's fragments (`[outer] fragments`): round r sends, mixes and outer-steps
@@ -707,6 +713,7 @@ impl RoundTrainer {
     /// round's fragment: the anchor, or with an overlapped round pending the one it started
     /// from (eager has moved the anchor by its own step since).
     fn round_anchor(&self, round: u64) -> Vec<Tensor> {
+        debug_assert!(self.pending_round().is_none_or(|p| p == round));
         match self.overlap.as_ref().and_then(|o| o.pending_anchor()) {
             Some(anchor) => anchor.iter().map(Tensor::shallow_clone).collect(),
             None => fragment_of(&self.anchor, self.fragments.of_round_members(round)),
@@ -717,6 +724,7 @@ impl RoundTrainer {
     /// trainer's parameters, or with overlapped rounds the model handed off (the trainer has
     /// moved on since).
     fn own_payload_model(&self, round: u64) -> Vec<Tensor> {
+        debug_assert!(self.pending_round().is_none_or(|p| p == round));
         match self.overlap.as_ref().and_then(|o| o.handed_off()) {
             Some(handed) => handed.iter().map(Tensor::shallow_clone).collect(),
             None => fragment_of(

@@ -63,7 +63,11 @@ impl PayloadTables {
     pub fn for_round(&self, round: u64) -> Arc<Vec<TensorSpec>> {
         match &self.full_sync {
             Some((every, table)) if is_full_sync_round(round, *every) => table.clone(),
-            _ => self.by_fragment[fragment_of_round(round, self.by_fragment.len())].clone(),
+            // Never empty by construction; an empty table would refuse every payload.
+            _ => {
+                let f = fragment_of_round(round, self.by_fragment.len());
+                self.by_fragment.get(f).cloned().unwrap_or_default()
+            }
         }
     }
 

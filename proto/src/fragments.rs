@@ -121,8 +121,9 @@ mod tests {
 
     #[test]
     fn the_split_is_spelled_out() {
-        // 9 → f0; 8 → f1; 5 → f2; 4 → f2 (totals 9, 8, 5); 4 → f1 (9, 8, 9); 1 → f0 (9, 12, 9:
-        // f0 and f2 tie, the lower index wins).
+        // Sizes in order 9, 8, 5, 4, 4, 1 (indices 1, 4, 2, 0, 5, 3), each to the lightest:
+        // 9 → f0, 8 → f1, 5 → f2; 4 → f2 (totals were 9, 8, 5); 4 → f1 (9, 8, 9);
+        // 1 → f0 (9, 12, 9: f0 and f2 tie, the lower index wins).
         let f = Fragments::split(&[4, 9, 5, 1, 8, 4], 3).unwrap();
         assert_eq!(f.members(0), &[1, 3]);
         assert_eq!(f.members(1), &[4, 5]);

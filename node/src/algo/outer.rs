@@ -59,8 +59,9 @@ pub fn weighted_mix<'a>(row: &MixingRow, sent: impl Fn(usize) -> &'a [Tensor]) -
         .collect()
 }
 
-/// The tensors of fragment `members` (indices, `gasloc_proto::fragments`), sharing storage
-/// with `tensors`: what is done to them in place (an outer step) is done to `tensors`.
+/// The tensors of fragment `members` (indices, `gasloc_proto::fragments`), *sharing storage*
+/// with `tensors` (shallow clones): what is done to them in place (an outer step, a carry,
+/// `copy_`) is done to `tensors`, so `&mut fragment_of(&anchor, m)` steps the anchor itself.
 pub fn fragment_of(tensors: &[Tensor], members: &[usize]) -> Vec<Tensor> {
     members
         .iter()
@@ -126,8 +127,10 @@ impl OuterOptimizer {
         }
     }
 
-    /// The optimizer of fragment `members` (tensor indices, `gasloc_proto::fragments`): its
-    /// momentum buffers are this one's, shared, so a step of the fragment moves them here.
+    /// The optimizer of fragment `members` (tensor indices, `gasloc_proto::fragments`).
+    /// Its momentum buffers *share storage* with this one's (shallow clones): although it
+    /// takes `&self`, a step of the returned optimizer changes this one's momentum in place.
+    /// That is the point: the simulator and the node step a round's fragment through it.
     pub fn fragment(&self, members: &[usize]) -> OuterOptimizer {
         OuterOptimizer {
             lr: self.lr,

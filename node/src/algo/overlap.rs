@@ -591,6 +591,50 @@ mod tests {
         }
     }
 
+    /// Through a fragment's views (`fragment_of`, `OuterOptimizer::fragment`, as the
+    /// simulator and the node pass them with `[outer] fragments`): eager's own step moves
+    /// only the fragment's anchor and momentum in the worker's whole lists, and dropping the
+    /// exchange restores them there bit for bit.
+    #[test]
+    fn eager_through_a_fragment_view_steps_and_drops_only_the_fragment() {
+        use crate::algo::outer::fragment_of;
+        let config = outer_config();
+        let start = model(1);
+        let members = [1usize];
+        let mut anchor = copies(&start);
+        let mut outer = OuterOptimizer::new(&config, &start);
+        // A first step of the whole model, so that every momentum buffer is non-zero.
+        outer.step(&mut anchor, &model(4));
+        let (anchor_before, outer_before) = (copies(&anchor), outer.snapshot());
+        let mut overlap = OverlappedOuter::new(Overlap::Eager).unwrap();
+        let local = fragment_of(&model(3), &members);
+        overlap
+            .hand_off(
+                7,
+                &mut fragment_of(&anchor, &members),
+                &mut outer.fragment(&members),
+                &local,
+            )
+            .unwrap();
+        assert!(anchor[0].equal(&anchor_before[0]), "outside the fragment");
+        assert!(outer.momentum()[0].equal(&outer_before.momentum()[0]));
+        assert!(
+            !anchor[1].equal(&anchor_before[1]),
+            "the fragment's own step"
+        );
+        assert!(!outer.momentum()[1].equal(&outer_before.momentum()[1]));
+        let dropped = overlap.drop_pending(
+            &mut fragment_of(&anchor, &members),
+            &mut outer.fragment(&members),
+        );
+        assert_eq!(dropped, Some(7));
+        assert!(same(&anchor, &anchor_before), "anchor restored");
+        assert!(
+            same(outer.momentum(), outer_before.momentum()),
+            "momentum restored"
+        );
+    }
+
     #[test]
     fn calls_out_of_order_are_errors_not_panics() {
         let config = outer_config();

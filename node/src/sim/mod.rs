@@ -243,7 +243,8 @@ impl Simulation {
             &options.stragglers,
         );
         let sizes: Vec<u64> = workers[0].anchor.iter().map(|t| t.numel() as u64).collect();
-        let fragments = Fragments::split(&sizes, manifest.outer.fragments)?;
+        let fragments = Fragments::split(&sizes, manifest.outer.fragments)
+            .map_err(|e| anyhow::anyhow!("[outer] {e}"))?;
         let last_payload_bytes = model_bytes(
             &fragment_of(&workers[0].anchor, fragments.of_round_members(0)),
             full_bytes_per_element(manifest.outer.payload),
@@ -284,9 +285,9 @@ impl Simulation {
             .sum()
     }
 
-    /// The tensors round `round` exchanges (its fragment; every tensor with one). The node
-    /// numbers its rounds from 0, the simulator from 1: the simulator's round t is the node's
-    /// t − 1, so both start with fragment 0.
+    /// The tensors round `round` (≥ 1) exchanges (its fragment; every tensor with one). The
+    /// node numbers its rounds from 0, the simulator from 1: the simulator's round t is the
+    /// node's t − 1, so both start with fragment 0.
     fn fragment(&self, round: u64) -> &[usize] {
         self.fragments.of_round_members(round - 1)
     }
