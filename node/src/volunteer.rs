@@ -34,7 +34,9 @@
 //! in which a joiner asked for it (`Received::want_state`), not every round. A checkpoint is the anchor as an HF
 //! model plus the AdamW moments, the data cursor, the outer momentum and the next round.
 
-use crate::algo::outer::{fragment_of, mixed_pseudo_gradient, weighted_mix, OuterOptimizer};
+use crate::algo::outer::{
+    fragment_of, mixed_pseudo_gradient, model_fragments, weighted_mix, OuterOptimizer,
+};
 use crate::algo::overlap::{LocalModel, OverlapError, OverlappedOuter};
 use crate::checkpoint::{self, Checkpoint};
 use crate::lordo_wire::LordoWire;
@@ -328,9 +330,7 @@ impl RoundTrainer {
         let outer = OuterOptimizer::new(&manifest.outer, &anchor);
         let names = trainer.parameter_names();
         let shapes: Vec<Vec<i64>> = anchor.iter().map(|t| t.size()).collect();
-        let sizes: Vec<u64> = anchor.iter().map(|t| t.numel() as u64).collect();
-        let fragments = Fragments::split(&sizes, manifest.outer.fragments)
-            .map_err(|e| anyhow!("[outer] {e}"))?;
+        let fragments = model_fragments(&anchor, manifest.outer.fragments)?;
         let lordo_wire = match (&manifest.outer.payload, trainer.inner_optimizer()) {
             (Payload::Lordo, InnerOptimizer::Lordo(lordo)) => Some(LordoWire::new(
                 &names,

@@ -222,8 +222,8 @@ fn delayed_overlap_with_an_instantaneous_exchange_is_the_blocking_run_bit_for_bi
 /// those inside have moved, and the record's bytes are the fragment's.
 #[test]
 fn a_fragmented_round_moves_only_its_fragment() {
+    use gasloc_node::algo::outer::model_fragments;
     use gasloc_node::algo::payload::model_bytes;
-    use gasloc_proto::fragments::Fragments;
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     tch::set_num_threads(1);
     let dir = tempfile::tempdir().unwrap();
@@ -234,8 +234,7 @@ fn a_fragmented_round_moves_only_its_fragment() {
         ));
         let mut sim = Simulation::new(&m, data.clone(), instantaneous(4, 4)).unwrap();
         let mut before = sim.anchors().unwrap();
-        let sizes: Vec<u64> = before[0].iter().map(|t| t.numel() as u64).collect();
-        let fragments = Fragments::split(&sizes, 3).unwrap();
+        let fragments = model_fragments(&before[0], 3).unwrap();
         for round in 1..=4u64 {
             let record = sim.run_round().unwrap();
             let after = sim.anchors().unwrap();

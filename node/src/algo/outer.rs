@@ -8,6 +8,7 @@
 //! topology and identical anchors this is, operation for operation, DiLoCo's all-reduce
 //! `mean_j(θ − x_j)` ([`all_reduce_mean`]), which is what makes the two bit-identical.
 
+use gasloc_proto::fragments::Fragments;
 use gasloc_proto::manifest::OuterConfig;
 use gasloc_proto::topology::MixingRow;
 use tch::Tensor;
@@ -67,6 +68,14 @@ pub fn fragment_of(tensors: &[Tensor], members: &[usize]) -> Vec<Tensor> {
         .iter()
         .map(|&k| tensors[k].shallow_clone())
         .collect()
+}
+
+/// The model's fragments (`[outer] fragments = count`, [`Fragments::split`]): its tensors
+/// split by their sizes, a split that cannot be made named as the manifest section's. The
+/// simulator and the node both split with this.
+pub fn model_fragments(anchor: &[Tensor], count: usize) -> anyhow::Result<Fragments> {
+    let sizes: Vec<u64> = anchor.iter().map(|t| t.numel() as u64).collect();
+    Fragments::split(&sizes, count).map_err(|e| anyhow::anyhow!("[outer] {e}"))
 }
 
 /// DiLoCo's all-reduce: `mean_j(θ − x_j)` over all workers, summed in worker order.

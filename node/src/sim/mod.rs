@@ -17,8 +17,8 @@ pub mod disagreement;
 pub mod report;
 
 use crate::algo::outer::{
-    all_reduce_mean, consensus_distance, fragment_of, mixed_pseudo_gradient, weighted_mix,
-    OuterOptimizer,
+    all_reduce_mean, consensus_distance, fragment_of, mixed_pseudo_gradient, model_fragments,
+    weighted_mix, OuterOptimizer,
 };
 use crate::algo::overlap::{LocalModel, OverlappedOuter};
 use crate::algo::payload::{encode_lordo, model_bytes, through_bf16};
@@ -242,9 +242,7 @@ impl Simulation {
             options.latency_ms / 1e3,
             &options.stragglers,
         );
-        let sizes: Vec<u64> = workers[0].anchor.iter().map(|t| t.numel() as u64).collect();
-        let fragments = Fragments::split(&sizes, manifest.outer.fragments)
-            .map_err(|e| anyhow::anyhow!("[outer] {e}"))?;
+        let fragments = model_fragments(&workers[0].anchor, manifest.outer.fragments)?;
         let last_payload_bytes = model_bytes(
             &fragment_of(&workers[0].anchor, fragments.of_round_members(0)),
             full_bytes_per_element(manifest.outer.payload),
