@@ -14,6 +14,11 @@
 //!                                            (a swarm node's also: its round, its payload
 //!                                            gate's accepted distances)
 //!                      run.toml              the resolved run manifest (canonical bytes)
+//!                      outer.safetensors     a swarm node's outer momentum
+//!                      local.safetensors     with `[outer] fragments` > 1, the model in
+//!                                            training: the fragments not synced since
+//!                                            their last round hold local progress the
+//!                                            anchor (model.safetensors) lacks
 //! <root>/latest                              "step_00000100"
 //! ```
 //! Each step directory is written under a temporary name, every file fsynced, then
@@ -37,6 +42,8 @@ pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const STATE_FILE: &str = "train_state.json";
 /// The outer optimizer's momentum of a swarm node (absent for single-node training).
 pub const OUTER_FILE: &str = "outer.safetensors";
+/// A swarm node's model in training, with `[outer] fragments` > 1 (absent otherwise).
+pub const LOCAL_FILE: &str = "local.safetensors";
 pub const MANIFEST_FILE: &str = "run.toml";
 const LATEST: &str = "latest";
 const STATE_FORMAT: &str = "gasloc-train-state/1";
@@ -86,6 +93,10 @@ pub struct Checkpoint {
     pub state: Option<TrainState>,
     /// The outer momentum per parameter (a swarm node's); empty otherwise.
     pub outer_momentum: Vec<(String, Tensor)>,
+    /// The model in training per parameter, where it differs from `model` in more than the
+    /// steps since the last round (a swarm node's with `[outer] fragments` > 1: `model` is
+    /// the anchor, each fragment as of its last sync); empty otherwise.
+    pub local: Vec<(String, Tensor)>,
 }
 
 /// The directory name of the checkpoint of `step`.
@@ -128,6 +139,9 @@ fn write_step_dir(dir: &Path, ckpt: &Checkpoint, state: &TrainState) -> Result<(
     write_tensors(&dir.join(OPTIMIZER_FILE), &ckpt.optimizer)?;
     if !ckpt.outer_momentum.is_empty() {
         write_tensors(&dir.join(OUTER_FILE), &ckpt.outer_momentum)?;
+    }
+    if !ckpt.local.is_empty() {
+        write_tensors(&dir.join(LOCAL_FILE), &ckpt.local)?;
     }
     write_file(&dir.join(STATE_FILE), &serde_json::to_vec_pretty(state)?)?;
     sync_dir(dir)
@@ -233,12 +247,19 @@ pub fn load(path: &Path, manifest: Option<&RunManifest>) -> Result<Checkpoint> {
     } else {
         Vec::new()
     };
+    let local_file = dir.join(LOCAL_FILE);
+    let local = if local_file.exists() {
+        read_tensors(&local_file)?
+    } else {
+        Vec::new()
+    };
     Ok(Checkpoint {
         manifest,
         model,
         optimizer,
         state,
         outer_momentum,
+        local,
     })
 }
 

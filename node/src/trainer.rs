@@ -348,6 +348,7 @@ impl Trainer {
                 self.stream.cursor(),
             )),
             outer_momentum: Vec::new(),
+            local: Vec::new(),
         })
     }
 

@@ -32,7 +32,9 @@
 //! The state served to late joiners is the anchor and the outer momentum, named
 //! `anchor.<param>` and `outer_momentum.<param>` (fp32), made by the outer step of a round
 //! in which a joiner asked for it (`Received::want_state`), not every round. A checkpoint is the anchor as an HF
-//! model plus the AdamW moments, the data cursor, the outer momentum and the next round.
+//! model plus the AdamW moments, the data cursor, the outer momentum and the next round;
+//! with fragments also the model in training (`local.safetensors`), so that the fragments'
+//! local progress since their last sync survives a restart.
 
 use crate::algo::outer::{
     fragment_of, mixed_pseudo_gradient, model_fragments, weighted_mix, OuterOptimizer,
@@ -292,6 +294,7 @@ impl RoundTrainer {
         let slot = WorkerSlot { index: 0, count: 1 };
         let mut start = Start::Fresh;
         let mut saved_momentum = Vec::new();
+        let mut saved_local = Vec::new();
         let mut gate_accepted = Vec::new();
         let trainer = match newest_checkpoint(&options)? {
             Some((dir, ckpt)) => {
@@ -311,6 +314,7 @@ impl RoundTrainer {
                     gate_window: gate_accepted.len(),
                 };
                 saved_momentum = ckpt.outer_momentum;
+                saved_local = ckpt.local;
                 trainer
             }
             None => Trainer::with_stream_seed(
@@ -329,6 +333,15 @@ impl RoundTrainer {
         let anchor: Vec<Tensor> = trainer.parameters().iter().map(|t| t.copy()).collect();
         let outer = OuterOptimizer::new(&manifest.outer, &anchor);
         let names = trainer.parameter_names();
+        if !saved_local.is_empty() {
+            // With fragments, the model in training resumes where it was: the fragments not
+            // synced since their last round keep their local progress.
+            let targets: Vec<(String, Tensor)> =
+                names.iter().cloned().zip(trainer.parameters()).collect();
+            checkpoint::copy_into(&saved_local, &targets, &options.checkpoints, false)
+                .context("restoring the model in training (local.safetensors)")?;
+            tracing::info!("the model in training restored: each fragment's local progress since its last sync resumes");
+        }
         let shapes: Vec<Vec<i64>> = anchor.iter().map(|t| t.size()).collect();
         let fragments = model_fragments(&anchor, manifest.outer.fragments)?;
         let lordo_wire = match (&manifest.outer.payload, trainer.inner_optimizer()) {
@@ -836,7 +849,14 @@ impl RoundTrainer {
             && self.rounds_since_checkpoint >= self.options.checkpoint_every
         {
             let base = match self.checkpoint_at_hand_off.take() {
-                Some(at_hand_off) => at_hand_off,
+                Some(mut at_hand_off) => {
+                    // As after a blocking round: the round's fragment resumes from its new
+                    // anchor, the others from where they were at the hand-off.
+                    for &k in &members {
+                        at_hand_off.model[k].1 = self.anchor[k].detach().to_device(Device::Cpu);
+                    }
+                    at_hand_off
+                }
                 None => self.trainer.checkpoint()?,
             };
             self.save_from(base)?;
@@ -946,9 +966,10 @@ impl RoundTrainer {
     }
 
     /// Saves the anchor (not the half-trained local model) with the inner optimizer's
-    /// moments, the data cursor, the outer momentum and the round it begins. A pending
-    /// overlapped exchange is dropped (eager's own step taken back): the node resumes at
-    /// that round, from the anchor it started from.
+    /// moments, the data cursor, the outer momentum and the round it begins (with fragments,
+    /// the model in training too). A pending overlapped exchange is dropped (eager's own step
+    /// taken back): the node resumes at that round, its fragment from the anchor it started
+    /// from.
     fn save(&mut self) -> Result<()> {
         if let Some(overlap) = self.overlap.as_mut() {
             let members = overlap
@@ -962,7 +983,8 @@ impl RoundTrainer {
             if let Some(round) = dropped {
                 tracing::info!(round, "stopping with round {round}'s exchange pending: dropped, the checkpoint resumes at that round");
                 self.round = round;
-                self.trainer.set_parameters(&self.anchor);
+                self.trainer
+                    .set_fragment(&members, &fragment_of(&self.anchor, &members));
             }
         }
         let ckpt = self.trainer.checkpoint()?;
@@ -970,9 +992,14 @@ impl RoundTrainer {
     }
 
     /// Saves `ckpt` (the trainer's moments and data cursor) with the anchor as its model,
-    /// the outer momentum, and the next round.
+    /// the outer momentum, and the next round. With fragments, `ckpt`'s model (the model in
+    /// training as of `ckpt`) is saved beside the anchor as the local model: a restart
+    /// resumes each fragment's local progress instead of losing up to (P − 1)·H steps of it.
     fn save_from(&mut self, mut ckpt: Checkpoint) -> Result<()> {
         let to_cpu = |t: &Tensor| t.detach().to_device(Device::Cpu);
+        if !self.fragments.is_whole() {
+            ckpt.local = std::mem::take(&mut ckpt.model);
+        }
         ckpt.model = self
             .names
             .iter()

@@ -89,6 +89,13 @@ fn stop_mid_exchange(node: &mut Proc, checkpointed: u64) -> u64 {
     exchanging
 }
 
+/// The step directory `home`'s checkpoint root's `latest` names.
+fn latest_checkpoint(home: &Path) -> std::path::PathBuf {
+    let root = home.join("checkpoints");
+    let latest = std::fs::read_to_string(root.join("latest")).unwrap();
+    root.join(latest.trim())
+}
+
 /// Restarts node `i` (stopped, its newest checkpoint at round `newest`) for 2 rounds and
 /// checks that it resumes at that round.
 fn restart_resumed(dir: &Path, boot: &str, data: &Path, i: usize, newest: u64) -> Proc {
@@ -311,7 +318,37 @@ fn fragmented_overlapped_rounds_send_each_fragment_in_turn() {
     // Node 2: SIGTERM while an exchange after its checkpoint of round 3 is under way.
     stop_mid_exchange(&mut nodes[1], 3);
     let newest = nodes[1].checkpoint_rounds().into_iter().max().unwrap();
+    // The checkpoint at the stop holds the model in training beside the anchor: the dropped
+    // round's fragment as its anchor, the other two with the local progress made since
+    // their last sync, which the restart resumes instead of losing.
+    let saved = latest_checkpoint(&home(2));
+    let (anchor, local) = (
+        std::fs::read(saved.join("model.safetensors")).unwrap(),
+        std::fs::read(saved.join("local.safetensors")).unwrap(),
+    );
+    let (anchor, local) = (
+        safetensors::SafeTensors::deserialize(&anchor).unwrap(),
+        safetensors::SafeTensors::deserialize(&local).unwrap(),
+    );
+    let mut names = anchor.names();
+    names.sort();
+    let mut local_names = local.names();
+    local_names.sort();
+    assert_eq!(names, local_names, "{}", saved.display());
+    let trained: Vec<&str> = names
+        .iter()
+        .filter(|n| anchor.tensor(n).unwrap().data() != local.tensor(n).unwrap().data())
+        .copied()
+        .collect();
+    assert!(
+        !trained.is_empty() && trained.len() < names.len(),
+        "{}: {} of {} tensors hold local progress: {trained:?}",
+        saved.display(),
+        trained.len(),
+        names.len()
+    );
     let mut restarted = restart_resumed(dir, &boot, &data, 2, newest);
+    restarted.wait_for_log("the model in training restored", Duration::from_secs(30));
     let mut joiner = start_join(dir, &boot, &data, 5, &["--rounds", "2"]);
     joiner.wait_for_line("state_synced_from=", Duration::from_secs(90));
     for node in nodes.iter_mut().filter(|n| n.name != "node2") {
