@@ -850,10 +850,13 @@ impl RoundTrainer {
         {
             let base = match self.checkpoint_at_hand_off.take() {
                 Some(mut at_hand_off) => {
-                    // As after a blocking round: the round's fragment resumes from its new
-                    // anchor, the others from where they were at the hand-off.
-                    for &k in &members {
-                        at_hand_off.model[k].1 = self.anchor[k].detach().to_device(Device::Cpu);
+                    // With fragments its model is saved as the model in training
+                    // (`save_from`). As after a blocking round, the round's fragment resumes
+                    // from its new anchor, the others from where they were at the hand-off.
+                    if !self.fragments.is_whole() {
+                        for &k in &members {
+                            at_hand_off.model[k].1 = self.anchor[k].detach().to_device(Device::Cpu);
+                        }
                     }
                     at_hand_off
                 }
