@@ -11,8 +11,9 @@
 #        (overlapped rounds; SIM_MODEL=demo: the demo model's shape, d 128, 4 layers, instead
 #        of the tiny one, same data settings; SIM_FRAGMENTS=P: the model in P fragments, rounds
 #        of 30/P steps, each exchanging one)
-#        [SIM_ROUNDS_OVERLAP=30] [SIM_SEEDS=1234] [SIM_MOMENTA="0.8 0.7"] bench/sim_experiments.sh 6mu
-#        (delayed overlap with less outer momentum; SIM_LINKS="two-peer:16" for two-peer)
+#        [SIM_ROUNDS_OVERLAP=30] [SIM_SEEDS=1234] [SIM_MOMENTA="0.8 0.7"] [SIM_MODES=delayed] bench/sim_experiments.sh 6mu
+#        (overlap with less outer momentum; SIM_LINKS="two-peer:16" for two-peer, SIM_MODES=none
+#        for the blocking runs at that momentum)
 # Writes runs/exp/<name>[-demo][-seedS]/ (rounds.csv, workers.csv, rounds.json, summary.md, loss.svg) and the
 # manifests it generated in runs/exp/manifests/. Each experiment takes minutes on 2 cores.
 set -euo pipefail
@@ -168,20 +169,23 @@ exp6() { # overlapped rounds: none / delayed / eager on one-peer and two-peer; 2
   done
 }
 
-exp6mu() { # overlap = "delayed" with less outer momentum: exp6's links and steps.
+exp6mu() { # overlapped rounds with less outer momentum: exp6's links and steps.
   # SIM_MOMENTA (default 0.8 0.7) names the momenta, SIM_SEEDS the run seeds, SIM_LINKS the
-  # topology:Mbit/s pairs (default one-peer:8).
+  # topology:Mbit/s pairs (default one-peer:8), SIM_MODES the overlap modes (default delayed;
+  # none for the blocking baseline at the same momentum).
   # SIM_FRAGMENTS as in exp6.
-  local ro=${SIM_ROUNDS_OVERLAP:-30} p=${SIM_FRAGMENTS:-1} seed t mu name
+  local ro=${SIM_ROUNDS_OVERLAP:-30} p=${SIM_FRAGMENTS:-1} seed t mu mode name
   if ((30 % p != 0)); then echo "SIM_FRAGMENTS=$p must divide 30" >&2; return 1; fi
   for seed in ${SIM_SEEDS:-1234}; do
     for t in ${SIM_LINKS:-one-peer:8}; do
-      for mu in ${SIM_MOMENTA:-0.8 0.7}; do
-        name="e6-${t%%:*}-delayed-mu$mu"
-        ((p > 1)) && name+="-p$p"
-        SIM_SEED=$seed sim "$name" $((ro * p)) $((ro * 30)) \
-          "topology = \"${t%%:*}\"\ninner_steps = $((30 / p))\noverlap = \"delayed\"\nmomentum = $mu\nfragments = $p" '' \
-          --step-time-ms 25 --bandwidth-mbps "${t##*:}" --latency-ms 20 --eval-every $((5 * p))
+      for mode in ${SIM_MODES:-delayed}; do
+        for mu in ${SIM_MOMENTA:-0.8 0.7}; do
+          name="e6-${t%%:*}-$mode-mu$mu"
+          ((p > 1)) && name+="-p$p"
+          SIM_SEED=$seed sim "$name" $((ro * p)) $((ro * 30)) \
+            "topology = \"${t%%:*}\"\ninner_steps = $((30 / p))\noverlap = \"$mode\"\nmomentum = $mu\nfragments = $p" '' \
+            --step-time-ms 25 --bandwidth-mbps "${t##*:}" --latency-ms 20 --eval-every $((5 * p))
+        done
       done
     done
   done
