@@ -154,41 +154,35 @@ exp6() { # overlapped rounds: none / delayed / eager on one-peer and two-peer; 2
   # SIM_FRAGMENTS=P (default 1) splits the model into P fragments ([outer] fragments): rounds
   # of 30/P inner steps, P times as many, each exchanging one fragment, so every fragment is
   # still synced every 30 steps and the runs take the same inner steps; named …-pP.
-  local ro=${SIM_ROUNDS_OVERLAP:-30} p=${SIM_FRAGMENTS:-1} seed t mode name
+  # SIM_MOMENTA (unset by default: the manifest's μ 0.9) runs each at these outer momenta,
+  # named …-muM.
+  local ro=${SIM_ROUNDS_OVERLAP:-30} p=${SIM_FRAGMENTS:-1} seed t mode mu name outer
   if ((30 % p != 0)); then echo "SIM_FRAGMENTS=$p must divide 30" >&2; return 1; fi
   for seed in ${SIM_SEEDS:-1234}; do
     for t in ${SIM_LINKS:-one-peer:8 two-peer:16}; do
       for mode in ${SIM_MODES:-none delayed eager}; do
-        name="e6-${t%%:*}-$mode"
-        ((p > 1)) && name+="-p$p"
-        SIM_SEED=$seed sim "$name" $((ro * p)) $((ro * 30)) \
-          "topology = \"${t%%:*}\"\ninner_steps = $((30 / p))\noverlap = \"$mode\"\nfragments = $p" '' \
-          --step-time-ms 25 --bandwidth-mbps "${t##*:}" --latency-ms 20 --eval-every $((5 * p))
-      done
-    done
-  done
-}
-
-exp6mu() { # overlapped rounds with less outer momentum: exp6's links and steps.
-  # SIM_MOMENTA (default 0.8 0.7) names the momenta, SIM_SEEDS the run seeds, SIM_LINKS the
-  # topology:Mbit/s pairs (default one-peer:8), SIM_MODES the overlap modes (default delayed;
-  # none for the blocking baseline at the same momentum).
-  # SIM_FRAGMENTS as in exp6.
-  local ro=${SIM_ROUNDS_OVERLAP:-30} p=${SIM_FRAGMENTS:-1} seed t mu mode name
-  if ((30 % p != 0)); then echo "SIM_FRAGMENTS=$p must divide 30" >&2; return 1; fi
-  for seed in ${SIM_SEEDS:-1234}; do
-    for t in ${SIM_LINKS:-one-peer:8}; do
-      for mode in ${SIM_MODES:-delayed}; do
-        for mu in ${SIM_MOMENTA:-0.8 0.7}; do
-          name="e6-${t%%:*}-$mode-mu$mu"
+        for mu in ${SIM_MOMENTA:-default}; do
+          name="e6-${t%%:*}-$mode"
+          outer="topology = \"${t%%:*}\"\ninner_steps = $((30 / p))\noverlap = \"$mode\""
+          if [ "$mu" != default ]; then
+            name+="-mu$mu"
+            outer+="\nmomentum = $mu"
+          fi
           ((p > 1)) && name+="-p$p"
-          SIM_SEED=$seed sim "$name" $((ro * p)) $((ro * 30)) \
-            "topology = \"${t%%:*}\"\ninner_steps = $((30 / p))\noverlap = \"$mode\"\nmomentum = $mu\nfragments = $p" '' \
+          SIM_SEED=$seed sim "$name" $((ro * p)) $((ro * 30)) "$outer\nfragments = $p" '' \
             --step-time-ms 25 --bandwidth-mbps "${t##*:}" --latency-ms 20 --eval-every $((5 * p))
         done
       done
     done
   done
+}
+
+exp6mu() { # overlapped rounds with less outer momentum: exp6 with other defaults.
+  # SIM_MOMENTA (default 0.8 0.7) names the momenta, SIM_LINKS the topology:Mbit/s pairs
+  # (default one-peer:8), SIM_MODES the overlap modes (default delayed; none for the
+  # blocking runs at that momentum); SIM_SEEDS and SIM_FRAGMENTS as in exp6.
+  SIM_MOMENTA=${SIM_MOMENTA:-0.8 0.7} SIM_LINKS=${SIM_LINKS:-one-peer:8} \
+    SIM_MODES=${SIM_MODES:-delayed} exp6
 }
 
 for e in "${@:-1 2 3 4 5}"; do
