@@ -14,7 +14,9 @@
 #        [SIM_ROUNDS_OVERLAP=30] [SIM_SEEDS=1234] [SIM_MOMENTA="0.8 0.7"] [SIM_MODES=delayed] bench/sim_experiments.sh 6mu
 #        (overlap with less outer momentum; SIM_LINKS="two-peer:16" for two-peer, SIM_MODES=none
 #        for the blocking runs at that momentum)
-# Writes runs/exp/<name>[-demo][-seedS]/ (rounds.csv, workers.csv, rounds.json, summary.md, loss.svg) and the
+# SIM_EVAL_BATCHES=N (default 4, the manifests' [eval] batches: 2,048 tokens) validates on N
+# micro-batches of 512 tokens instead, for gaps finer than the 4 batches' noise; named …-evN.
+# Writes runs/exp/<name>[-demo][-seedS][-evN]/ (rounds.csv, workers.csv, rounds.json, summary.md, loss.svg) and the
 # manifests it generated in runs/exp/manifests/. Each experiment takes minutes on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +36,7 @@ manifest() {
   [ "${SIM_MODEL:-tiny}" = demo ] && model='d_model = 128\nn_layers = 4\nn_heads = 4\nn_kv_heads = 2'
   sed -e '/^\[outer\]/,$d' -e "s/^decay_steps = .*/decay_steps = $2/" \
     -e "s/^seed = .*/seed = ${SIM_SEED:-1234}/" -e "s/^size = \"tiny\"/$model/" \
+    -e "s/^batches = .*/batches = ${SIM_EVAL_BATCHES:-4}/" \
     examples/runs/sim-tiny.toml > "$path"
   printf '[outer]\n%b\n' "$3" >> "$path"
   if [ -n "${4:-}" ]; then printf '[lordo]\n%b\n' "$4" >> "$path"; fi
@@ -48,6 +51,7 @@ sim() {
   shift 5 || shift $#
   [ "${SIM_MODEL:-tiny}" = demo ] && name+=-demo
   [ "${SIM_SEED:-1234}" != 1234 ] && name+=-seed$SIM_SEED
+  [ "${SIM_EVAL_BATCHES:-4}" != 4 ] && name+=-ev$SIM_EVAL_BATCHES
   local run; run=$(manifest "$name" "$decay" "$outer" "$lordo")
   echo "== $name"
   "$node" sim --run "$run" --data "$data" --workers 8 --rounds "$rounds" --out "$out/$name" \

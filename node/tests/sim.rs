@@ -260,6 +260,28 @@ fn a_fragmented_round_moves_only_its_fragment() {
     }
 }
 
+/// The record's two validation losses: after a blocking whole-model round the models in
+/// training are the anchors, so the two are equal; in fragments the models in training keep
+/// the other fragments' unsynced steps, which their anchors do not have, so the two differ.
+#[test]
+fn the_models_in_training_are_evaluated_beside_the_anchors() {
+    let whole = "topology = \"one-peer\"\ninner_steps = 3";
+    let (blocking, _) = simulate(&manifest(whole), options(4, 3));
+    for r in &blocking {
+        assert_eq!(r.local_val_loss, r.val_loss, "round {}", r.round);
+    }
+    let (fragmented, _) = simulate(&manifest(&format!("{whole}\nfragments = 3")), options(4, 3));
+    for r in &fragmented {
+        let (anchors, local) = (r.val_loss.unwrap(), r.local_val_loss.unwrap());
+        assert!(local.is_finite() && anchors.is_finite());
+        assert_ne!(
+            local, anchors,
+            "round {}: the unsynced fragments count",
+            r.round
+        );
+    }
+}
+
 #[test]
 fn eager_overlap_with_an_instantaneous_exchange_is_the_blocking_run_up_to_rounding() {
     // The own step and the neighbours' terms added to it give the blocking outer step up to

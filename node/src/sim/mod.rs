@@ -123,6 +123,10 @@ pub struct SwarmRound {
     pub sim_time_s: f64,
     /// Mean validation loss of the anchors (on rounds with an evaluation).
     pub val_loss: Option<f64>,
+    /// Mean validation loss of the models in training, every worker's (on the same rounds).
+    /// The anchors' own with blocking whole-model rounds; with overlap or fragments the model
+    /// in training is ahead of its anchor by the steps not yet synced.
+    pub local_val_loss: Option<f64>,
     pub consensus: f64,
     /// A LoRDO round that exchanged the full model.
     pub full_sync: bool,
@@ -794,7 +798,7 @@ impl Simulation {
     }
 
     /// The round's record: the consensus distance of the anchors and, on an evaluation round,
-    /// their mean validation loss. With overlapped rounds these are the settled anchors (the
+    /// their mean validation loss and that of the models in training. With overlapped rounds these are the settled anchors (the
     /// pending exchange applied), the trainer's local model left as it is.
     fn finish_record(&mut self, workers: Vec<WorkerRound>, full_sync: bool) -> Result<SwarmRound> {
         let anchors = self.settled_anchors()?;
@@ -808,29 +812,43 @@ impl Simulation {
             _ => false,
         };
         let evaluated = if identical { 1 } else { self.workers.len() };
-        let val_loss = if evaluate {
-            let mut sum = 0.0;
-            // The trainer holds the anchor after a blocking whole-model round; otherwise the
-            // anchor is set for the evaluation and the local model put back after.
-            let trainer_is_anchor = self.fragments.is_whole();
-            for (w, anchor) in self.workers.iter_mut().zip(&anchors).take(evaluated) {
-                if w.overlap.is_none() && trainer_is_anchor {
-                    sum += w.trainer.evaluate(&self.val);
+        let (val_loss, local_val_loss) = if evaluate {
+            // After a blocking whole-model round every trainer holds its anchor: one evaluation
+            // serves both. Otherwise each model in training is evaluated where it is, then its
+            // anchor set for the anchor's evaluation and the model in training put back.
+            let trainers_hold_anchors =
+                self.fragments.is_whole() && self.workers.iter().all(|w| w.overlap.is_none());
+            let (mut anchor_sum, mut local_sum, mut locals) = (0.0, 0.0, 0);
+            for (i, (w, anchor)) in self.workers.iter_mut().zip(&anchors).enumerate() {
+                if trainers_hold_anchors {
+                    if i < evaluated {
+                        let loss = w.trainer.evaluate(&self.val);
+                        (anchor_sum, local_sum, locals) =
+                            (anchor_sum + loss, local_sum + loss, locals + 1);
+                    }
                     continue;
                 }
-                let local = copies(&w.trainer.parameters());
-                w.trainer.set_parameters(anchor);
-                sum += w.trainer.evaluate(&self.val);
-                w.trainer.set_parameters(&local);
+                local_sum += w.trainer.evaluate(&self.val);
+                locals += 1;
+                if i < evaluated {
+                    let in_training = copies(&w.trainer.parameters());
+                    w.trainer.set_parameters(anchor);
+                    anchor_sum += w.trainer.evaluate(&self.val);
+                    w.trainer.set_parameters(&in_training);
+                }
             }
-            Some(sum / evaluated as f64)
+            (
+                Some(anchor_sum / evaluated as f64),
+                Some(local_sum / locals as f64),
+            )
         } else {
-            None
+            (None, None)
         };
         Ok(SwarmRound {
             round: self.round,
             sim_time_s: workers.iter().map(|w| w.finish_s).fold(0.0, f64::max),
             val_loss,
+            local_val_loss,
             consensus: consensus_distance(&anchors),
             full_sync,
             workers,

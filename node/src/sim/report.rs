@@ -114,12 +114,12 @@ pub fn write_all(
 
 fn rounds_csv(records: &[SwarmRound]) -> String {
     let mut s = String::from(
-        "round,sim_time_s,val_loss,consensus,train_loss_mean,bytes_sent_total,inner_steps_mean,wait_s_max,full_sync,compute_utilization_mean\n",
+        "round,sim_time_s,val_loss,consensus,train_loss_mean,bytes_sent_total,inner_steps_mean,wait_s_max,full_sync,compute_utilization_mean,local_val_loss\n",
     );
     for r in records {
         let _ = writeln!(
             s,
-            "{},{:.6},{},{:.6e},{:.6},{},{:.3},{:.6},{},{:.4}",
+            "{},{:.6},{},{:.6e},{:.6},{},{:.3},{:.6},{},{:.4},{}",
             r.round,
             r.sim_time_s,
             r.val_loss.map_or(String::new(), |v| format!("{v:.6}")),
@@ -129,7 +129,9 @@ fn rounds_csv(records: &[SwarmRound]) -> String {
             r.mean_inner_steps(),
             r.max_wait_s(),
             r.full_sync,
-            r.mean_compute_utilization()
+            r.mean_compute_utilization(),
+            r.local_val_loss
+                .map_or(String::new(), |v| format!("{v:.6}"))
         );
     }
     s
