@@ -798,8 +798,9 @@ impl Simulation {
     }
 
     /// The round's record: the consensus distance of the anchors and, on an evaluation round,
-    /// their mean validation loss and that of the models in training. With overlapped rounds these are the settled anchors (the
-    /// pending exchange applied), the trainer's local model left as it is.
+    /// their mean validation loss and that of the models in training. With overlapped rounds
+    /// the anchors are the settled ones (the pending exchange applied), the trainer's local
+    /// model left as it is.
     fn finish_record(&mut self, workers: Vec<WorkerRound>, full_sync: bool) -> Result<SwarmRound> {
         let anchors = self.settled_anchors()?;
         let evaluate =
