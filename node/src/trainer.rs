@@ -323,6 +323,17 @@ impl Trainer {
         evaluate(&self.model, self.device, batches)
     }
 
+    /// Mean loss over `batches` of the parameters `values` (same order and shapes) in place of
+    /// the model in training, which is put back after: an anchor's loss mid-training.
+    pub fn evaluate_parameters(&mut self, values: &[Tensor], batches: &[Batch]) -> f64 {
+        let _guard = tch::no_grad_guard();
+        let in_training: Vec<Tensor> = self.params.iter().map(|(_, t)| t.copy()).collect();
+        self.set_parameters(values);
+        let loss = self.evaluate(batches);
+        self.set_parameters(&in_training);
+        loss
+    }
+
     /// The current state as a checkpoint (tensors copied to the CPU): the model, the inner
     /// optimizer's state (AdamW's moments, or LoRDO's moments, bases and error buffers), the
     /// step and the data cursor.

@@ -881,11 +881,7 @@ impl RoundTrainer {
         if self.overlap.is_none() && self.fragments.is_whole() {
             return self.trainer.evaluate(&self.val);
         }
-        let training: Vec<Tensor> = self.trainer.parameters().iter().map(Tensor::copy).collect();
-        self.trainer.set_parameters(&self.anchor);
-        let loss = self.trainer.evaluate(&self.val);
-        self.trainer.set_parameters(&training);
-        loss
+        self.trainer.evaluate_parameters(&self.anchor, &self.val)
     }
 
     /// Anchor and outer momentum, fp32, for state sync.

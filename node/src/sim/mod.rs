@@ -813,37 +813,27 @@ impl Simulation {
             _ => false,
         };
         let evaluated = if identical { 1 } else { self.workers.len() };
-        let (val_loss, local_val_loss) = if evaluate {
-            // After a blocking whole-model round every trainer holds its anchor: one evaluation
-            // serves both. Otherwise each model in training is evaluated where it is, then its
-            // anchor set for the anchor's evaluation and the model in training put back.
-            let trainers_hold_anchors =
-                self.fragments.is_whole() && self.workers.iter().all(|w| w.overlap.is_none());
-            let (mut anchor_sum, mut local_sum, mut locals) = (0.0, 0.0, 0);
-            for (i, (w, anchor)) in self.workers.iter_mut().zip(&anchors).enumerate() {
-                if trainers_hold_anchors {
-                    if i < evaluated {
-                        let loss = w.trainer.evaluate(&self.val);
-                        (anchor_sum, local_sum, locals) =
-                            (anchor_sum + loss, local_sum + loss, locals + 1);
-                    }
-                    continue;
-                }
-                local_sum += w.trainer.evaluate(&self.val);
-                locals += 1;
-                if i < evaluated {
-                    let in_training = copies(&w.trainer.parameters());
-                    w.trainer.set_parameters(anchor);
-                    anchor_sum += w.trainer.evaluate(&self.val);
-                    w.trainer.set_parameters(&in_training);
-                }
-            }
-            (
-                Some(anchor_sum / evaluated as f64),
-                Some(local_sum / locals as f64),
-            )
-        } else {
+        let val = &self.val;
+        let (val_loss, local_val_loss) = if !evaluate {
             (None, None)
+        } else if self.fragments.is_whole() && self.workers.iter().all(|w| w.overlap.is_none()) {
+            // After a blocking whole-model round every trainer holds its anchor: one
+            // evaluation serves both.
+            let evaluations = self.workers.iter().take(evaluated);
+            let loss = evaluations.map(|w| w.trainer.evaluate(val)).sum::<f64>() / evaluated as f64;
+            (Some(loss), Some(loss))
+        } else {
+            let local = self
+                .workers
+                .iter()
+                .map(|w| w.trainer.evaluate(val))
+                .sum::<f64>()
+                / self.workers.len() as f64;
+            let anchor = (self.workers.iter_mut().zip(&anchors).take(evaluated))
+                .map(|(w, anchor)| w.trainer.evaluate_parameters(anchor, val))
+                .sum::<f64>()
+                / evaluated as f64;
+            (Some(anchor), Some(local))
         };
         Ok(SwarmRound {
             round: self.round,

@@ -122,7 +122,7 @@ fn rounds_csv(records: &[SwarmRound]) -> String {
             "{},{:.6},{},{:.6e},{:.6},{},{:.3},{:.6},{},{:.4},{}",
             r.round,
             r.sim_time_s,
-            r.val_loss.map_or(String::new(), |v| format!("{v:.6}")),
+            optional_loss(r.val_loss),
             r.consensus,
             r.mean_train_loss(),
             r.bytes_sent(),
@@ -130,11 +130,15 @@ fn rounds_csv(records: &[SwarmRound]) -> String {
             r.max_wait_s(),
             r.full_sync,
             r.mean_compute_utilization(),
-            r.local_val_loss
-                .map_or(String::new(), |v| format!("{v:.6}"))
+            optional_loss(r.local_val_loss)
         );
     }
     s
+}
+
+/// A loss of an evaluation round, an empty cell on the others.
+fn optional_loss(loss: Option<f64>) -> String {
+    loss.map_or(String::new(), |v| format!("{v:.6}"))
 }
 
 fn workers_csv(records: &[SwarmRound]) -> String {
