@@ -326,8 +326,7 @@ impl Trainer {
     /// Mean loss over `batches` of the parameters `values` (same order and shapes) in place of
     /// the model in training, which is put back after: an anchor's loss mid-training.
     pub fn evaluate_parameters(&mut self, values: &[Tensor], batches: &[Batch]) -> f64 {
-        let _guard = tch::no_grad_guard();
-        let in_training: Vec<Tensor> = self.params.iter().map(|(_, t)| t.copy()).collect();
+        let in_training = crate::algo::copies(&self.parameters());
         self.set_parameters(values);
         let loss = self.evaluate(batches);
         self.set_parameters(&in_training);

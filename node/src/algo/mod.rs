@@ -16,3 +16,10 @@ pub mod lordo;
 pub mod outer;
 pub mod overlap;
 pub mod payload;
+
+use tch::Tensor;
+
+/// Detached deep copies of `tensors`: a snapshot that no later in-place write reaches.
+pub fn copies(tensors: &[Tensor]) -> Vec<Tensor> {
+    tensors.iter().map(|t| t.detach().copy()).collect()
+}

@@ -42,6 +42,7 @@
 //! At most one exchange is pending: a worker whose next round ends before its pending exchange
 //! does waits for it (the caller's business) before it hands off again.
 
+use crate::algo::copies;
 use crate::algo::outer::{mixed_pseudo_gradient, sum_then_divide, OuterOptimizer};
 use gasloc_proto::manifest::Overlap;
 use gasloc_proto::topology::MixingRow;
@@ -334,10 +335,6 @@ impl OverlappedOuter {
         }
         Some(p.round)
     }
-}
-
-fn copies(tensors: &[Tensor]) -> Vec<Tensor> {
-    tensors.iter().map(|t| t.detach().copy()).collect()
 }
 
 #[cfg(test)]

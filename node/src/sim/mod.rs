@@ -16,6 +16,7 @@ pub mod clock;
 pub mod disagreement;
 pub mod report;
 
+use crate::algo::copies;
 use crate::algo::outer::{
     all_reduce_mean, consensus_distance, fragment_of, mixed_pseudo_gradient, model_fragments,
     weighted_mix, OuterOptimizer,
@@ -187,10 +188,6 @@ pub struct Simulation {
     round: u64,
     /// Bytes of the last payload (the exchange-time prediction of adaptive H_i).
     last_payload_bytes: u64,
-}
-
-fn copies(tensors: &[Tensor]) -> Vec<Tensor> {
-    tensors.iter().map(|t| t.detach().copy()).collect()
 }
 
 impl Simulation {
