@@ -196,22 +196,29 @@ impl RoundDriver {
                         );
                         let (service, table) = (self.service.clone(), tables.for_round(round));
                         let timeout = Duration::from_millis(timing.exchange_timeout_ms);
-                        // A payload is sent in one exchange: it moves into it.
-                        let payload = payload.take();
+                        // A payload is sent in one exchange: it moves into it. The round is
+                        // registered here, before a `StartTraining` of the next round in
+                        // these outputs raises the service's floor past it.
+                        let registered = payload.take().map(|payload| {
+                            service.register_round(
+                                round,
+                                &neighbours,
+                                payload,
+                                Some(table),
+                                timeout,
+                            )
+                        });
                         exchange = Some(tokio::spawn(async move {
                             // The payload is stored before the `Trained` input that leads
                             // here; without one, every neighbour fails and the round goes on.
-                            let Some(payload) = payload else {
+                            let Some(registered) = registered else {
                                 let failed =
                                     || ExchangeError::Cancelled("no payload to send".into());
                                 let results =
                                     neighbours.iter().map(|p| (*p, Err(failed()))).collect();
                                 return (round, results);
                             };
-                            let results = service
-                                .exchange_round(round, &neighbours, payload, Some(table), timeout)
-                                .await;
-                            (round, results)
+                            (round, service.exchange_registered(registered).await)
                         }));
                     }
                     Output::Finish {

@@ -76,6 +76,19 @@ pub struct Swapped {
 /// What `exchange_round` returns: per neighbour, its payload or the reason there is none.
 pub type ExchangeResults = Vec<(PeerId, Result<Swapped, ExchangeError>)>;
 
+/// A round registered with an [`ExchangeService`] ([`ExchangeService::register_round`]) whose
+/// swaps are still to run: pass it to [`ExchangeService::exchange_registered`], which also
+/// closes the round (until then it stays registered).
+pub struct RegisteredRound {
+    round: u64,
+    neighbours: Vec<PeerId>,
+    payload: Arc<OutgoingPayload>,
+    table: Option<Arc<Vec<TensorSpec>>>,
+    timeout: Duration,
+    deadline: Instant,
+    receivers: HashMap<PeerId, oneshot::Receiver<Result<Swapped, ExchangeError>>>,
+}
+
 struct RoundSlot {
     neighbours: HashSet<PeerId>,
     payload: Arc<OutgoingPayload>,
@@ -223,6 +236,22 @@ impl ExchangeService {
         table: Option<Arc<Vec<TensorSpec>>>,
         timeout: Duration,
     ) -> ExchangeResults {
+        let registered = self.register_round(round, neighbours, payload, table, timeout);
+        self.exchange_registered(registered).await
+    }
+
+    /// The first half of [`Self::exchange_round`], done at once: registers `round`, so that
+    /// from now on its neighbours' streams are answered — also after [`Self::advance_floor`]
+    /// passes it, as it does when an overlapped node starts its next round right after the
+    /// hand-off, before the exchange's task has run. The timeout counts from here.
+    pub fn register_round(
+        &self,
+        round: u64,
+        neighbours: &[PeerId],
+        payload: Arc<OutgoingPayload>,
+        table: Option<Arc<Vec<TensorSpec>>>,
+        timeout: Duration,
+    ) -> RegisteredRound {
         let started = Instant::now();
         let deadline = started + timeout;
         let me_bytes = self.inner.me.to_bytes();
@@ -252,7 +281,29 @@ impl ExchangeService {
             );
         }
         self.inner.changed.notify_waiters();
+        RegisteredRound {
+            round,
+            neighbours: neighbours.to_vec(),
+            payload,
+            table,
+            timeout,
+            deadline,
+            receivers,
+        }
+    }
 
+    /// The second half of [`Self::exchange_round`]: waits for the neighbours that open their
+    /// streams to this node and opens the others', until the round's deadline.
+    pub async fn exchange_registered(&self, registered: RegisteredRound) -> ExchangeResults {
+        let RegisteredRound {
+            round,
+            neighbours,
+            payload,
+            table,
+            timeout,
+            deadline,
+            mut receivers,
+        } = registered;
         let jobs = neighbours.iter().map(|peer| {
             let peer = *peer;
             let receiver = receivers.remove(&peer);

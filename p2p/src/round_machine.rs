@@ -11,8 +11,10 @@
 //!
 //! A round moves through the [`Phase`]s `Training → (Agreeing) → Exchanging → Finishing`:
 //! * it **starts** at `round_start(t)` if this node committed to it (a round reached only
-//!   after it ended is skipped); the inner steps get a deadline, `round end − C_i − outer
-//!   step − margin`, with `C_i` predicted from this node's own link;
+//!   after it ended is skipped; an overlapped round up to two steps earlier, when the round
+//!   before has handed off); the inner steps get a deadline, `round end − C_i − outer
+//!   step − margin`, with `C_i` predicted from this node's own link (overlapped: the round's
+//!   end);
 //! * once the round is **decided** (its reveal window closed; the plan may come before the
 //!   round starts, while the node still finishes the round before) the deadline moves to
 //!   the prediction with the round's neighbours;
@@ -334,7 +336,12 @@ impl RoundMachine {
         let mut consider = |t: u64| wake = Some(wake.map_or(t, |w| w.min(t)));
         if !self.stopping {
             if self.active.is_none() && self.next_round < self.next_commit {
-                consider(timing.round_start(self.next_round));
+                let early = if self.config.overlap && self.schedule.has_joined(self.next_round) {
+                    self.early_start_ms()
+                } else {
+                    0
+                };
+                consider(timing.round_start(self.next_round).saturating_sub(early));
             }
             if self.committed < self.config.rounds {
                 consider(timing.commit_opens(self.next_commit));
@@ -641,7 +648,7 @@ impl RoundMachine {
         while !self.stopping
             && self.active.is_none()
             && self.next_round < self.next_commit
-            && now >= timing.round_start(self.next_round)
+            && self.may_start(self.next_round, now)
         {
             let round = self.next_round;
             let joined = self.schedule.has_joined(round);
@@ -687,6 +694,25 @@ impl RoundMachine {
                 self.take_plan(plan, decided_at, out);
             }
         }
+    }
+
+    /// Whether round `round` may start at `now`: at its start time; with overlapped rounds
+    /// also up to [`Self::early_start_ms`] before it, once this node has joined it. An
+    /// overlapped round trains up to the next one's start, and its last step ends when what
+    /// is left is shorter than a step: the next round takes that rest instead of the trainer
+    /// idling through it (its deadline, the round after's start, does not move).
+    fn may_start(&self, round: u64, now: u64) -> bool {
+        let start = self.schedule.timing().round_start(round);
+        now >= start
+            || (self.config.overlap
+                && now + self.early_start_ms() >= start
+                && self.schedule.has_joined(round))
+    }
+
+    /// How early an overlapped round may start: two of this node's steps (what its round
+    /// before leaves when it stops short of a step, with room for the steps' jitter).
+    fn early_start_ms(&self) -> u64 {
+        (2000.0 * self.last_step_time_s).ceil() as u64
     }
 
     fn on_decided(&mut self, plan: RoundPlan, now: u64, out: &mut Vec<Output>) {
@@ -1382,6 +1408,42 @@ mod tests {
         assert_eq!((record.round, record.exchanged.len()), (0, 1));
         assert_eq!(s.machines[0].handed_off(), None);
         assert_eq!(s.machines[0].phase(), Some((1, Phase::Training)));
+    }
+
+    #[test]
+    fn an_overlapped_round_takes_the_rest_of_the_round_before_that_no_step_fits() {
+        // Steps of 0.1 s: an overlapped round may start up to 0.2 s early.
+        for (overlap, handed_off_at) in [(true, 150), (true, 250), (false, 150)] {
+            let mut s = Swarm::with_overlap(2, Topology::OnePeer, 3, start(0) - PERIOD, overlap);
+            s.tick(start(0) - 1000);
+            s.tick(start(0));
+            s.tick(start(0) + 1000);
+            s.tick(start(1) - 1000);
+            let at = start(1) - handed_off_at;
+            let out = if overlap {
+                s.input(0, trained(0), at)
+            } else {
+                s.train_and_swap(0, 0, at, at);
+                let finished = Input::Finished {
+                    round: 0,
+                    val_loss: None,
+                };
+                s.input(0, finished, at)
+            };
+            let early = overlap && handed_off_at <= 200;
+            let next = training_of(&out);
+            if early {
+                // Less than two steps were left: round 1 starts at the hand-off, its
+                // deadline (round 2's start) unmoved.
+                assert_eq!(next, Some((1, start(2))));
+            } else {
+                assert_eq!(next, None, "overlap {overlap}, {handed_off_at} ms before");
+                let wake = s.machines[0].next_wakeup().unwrap();
+                assert!(wake <= start(1), "it wakes for round 1's start");
+                let started = s.input(0, Input::Tick, start(1));
+                assert_eq!(training_of(&started).map(|(r, _)| r), Some(1));
+            }
+        }
     }
 
     #[test]

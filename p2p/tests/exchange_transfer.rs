@@ -200,3 +200,48 @@ async fn a_round_still_exchanging_is_served_after_the_next_round_started() {
         .await;
     assert!(replay[0].1.is_err(), "a replay of round 4 after it ended");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_round_registered_as_its_node_starts_the_next_serves_the_stream_waiting_for_it() {
+    // Overlapped rounds, the partner first: its stream for round 4 waits at the node, which
+    // then hands round 4 off and at once starts round 5 (the driver registers the round, then
+    // raises the floor to 5, before the exchange's task runs). The waiting stream is served.
+    let ((a, sa), (b, sb)) = connected_pair(Transport::Tcp).await;
+    let (pa, pb) = (a.client.peer_id(), b.client.peer_id());
+    // The node with the smaller id opens the stream: it is the partner here.
+    let ((partner, partner_id), (node, node_id)) = if pa.to_bytes() < pb.to_bytes() {
+        ((sa, pa), (sb, pb))
+    } else {
+        ((sb, pb), (sa, pa))
+    };
+    let pay = |seed| {
+        Arc::new(OutgoingPayload::new(
+            PayloadKind::Model,
+            Arc::new(TensorSet::synthetic(1, 1 << 16, seed)),
+            SendOptions::default(),
+        ))
+    };
+    node.advance_floor(4);
+    let first = {
+        let (partner, pay) = (partner.clone(), pay(1));
+        tokio::spawn(async move {
+            partner
+                .exchange_round(4, &[node_id], pay, None, Duration::from_secs(20))
+                .await
+        })
+    };
+    // The partner's stream reaches the node and waits for round 4 to be registered.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let registered = node.register_round(4, &[partner_id], pay(2), None, Duration::from_secs(20));
+    node.advance_floor(5);
+    // The exchange's task runs a little later.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let late = node.exchange_registered(registered).await;
+    assert!(late[0].1.is_ok(), "the node's round 4: {:?}", late[0].1);
+    let early = first.await.unwrap();
+    assert!(
+        early[0].1.is_ok(),
+        "the partner's round 4: {:?}",
+        early[0].1
+    );
+}
