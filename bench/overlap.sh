@@ -17,7 +17,9 @@
 #            at the hand-off;
 #   delayed-p3  overlap = "delayed" with fragments = 3: rounds of a third of the period, each
 #            exchanging a third of the model, so every fragment is synced once per period as
-#            the whole model is in the others.
+#            the whole model is in the others;
+#   delayed-p5  overlap = "delayed" with fragments = 5 and outer momentum 0.8 (the simulator's
+#            best at the demo size, docs/results.md §6): rounds of a fifth of the period.
 #
 # Reported per configuration (bench/swarm_report.py): compute utilisation (trainer busy time
 # over wall time), idle share, exchange wait, inner steps, wall-clock seconds until the
@@ -55,5 +57,8 @@ done
 mkdir -p "$out/delayed-p3"
 swarm_manifest "overlap-delayed-p3" one-peer 33 true delayed 3 >"$out/delayed-p3/run.toml"
 swarm_config "$out/delayed-p3" $((period / 3)) 1500 3  # evaluated once per period, as the others
+mkdir -p "$out/delayed-p5"
+swarm_manifest "overlap-delayed-p5" one-peer 20 true delayed 5 0.8 >"$out/delayed-p5/run.toml"
+swarm_config "$out/delayed-p5" $((period / 5)) 900 5
 
-"$python" "$(dirname "$0")/swarm_report.py" "$out" none none delayed eager delayed-p3
+"$python" "$(dirname "$0")/swarm_report.py" "$out" none none delayed eager delayed-p3 delayed-p5

@@ -7,8 +7,11 @@
 # parameters, bf16 compute, fp32 master weights) on the Shakespeare GPT-2 shards, 32 768
 # tokens per optimizer step, one-peer, adaptive H_i, a `model-bf16` payload (248 MB). Every
 # node's upload is capped (--max-upload-rate) so that one blocking exchange takes about 40 %
-# of a round. The configurations (`none`, `delayed`, `eager` by default) run one after the other
-# for the same wall-clock time; bench/swarm_report.py prints each one's utilisation, idle
+# of a round. The configurations (`none`, `delayed`, `eager` and `default` by default) run one
+# after the other for the same wall-clock time: the three modes on the whole model at outer
+# momentum 0.9, and `default` with no overlap, fragments, inner steps or momentum written (the
+# manifest's default: `delayed` in five fragments, 6 steps a round, μ 0.8) in rounds of a fifth
+# of the period, evaluated every fifth round; bench/swarm_report.py prints each one's utilisation, idle
 # share and tokens/s per node (over wall time and while training).
 #
 # The two nodes share the GPU: when both train at once (overlapped rounds) each gets about
@@ -24,7 +27,7 @@ set -euo pipefail
 bin=${1:-target/release}
 data=${2:-datasets/shakespeare-gpt2}
 seconds=${3:-90}
-configs=${4:-none delayed eager}
+configs=${4:-none delayed eager default}
 nodes=2
 export NODE_DEVICE=${NODE_DEVICE:-cuda:0} NODE_THREADS=${NODE_THREADS:-4}
 size=${SIZE:-125m} tokenizer=${TOKENIZER:-gpt2}
@@ -62,14 +65,17 @@ decay_steps = 100000
 batches = 4
 [outer]
 topology = "one-peer"
-inner_steps = 30
 adaptive_inner_steps = true
 min_inner_steps = 2
 max_inner_steps = 2000
 payload = "model-bf16"
-overlap = "$mode"
 EOF
-  swarm_config "$out/$mode" "$period" "$timeout"
+  if [ "$mode" = default ]; then
+    swarm_config "$out/$mode" $((period / 5)) $((timeout / 5)) 5
+  else
+    printf 'inner_steps = 30\noverlap = "%s"\nfragments = 1\nmomentum = 0.9\n' "$mode" >>"$out/$mode/run.toml"
+    swarm_config "$out/$mode" "$period" "$timeout"
+  fi
 done
 
 "$python" "$(dirname "$0")/swarm_report.py" --tokens-per-step $((seq_len * micro_batch * grad_accum)) \

@@ -39,6 +39,9 @@ manifest() {
     -e "s/^batches = .*/batches = ${SIM_EVAL_BATCHES:-4}/" \
     examples/runs/sim-tiny.toml > "$path"
   printf '[outer]\n%b\n' "$3" >> "$path"
+  # The experiments below that name no overlap are of blocking rounds (left out, gasloc's
+  # default would be delayed in five fragments).
+  case "$3" in *overlap*) ;; *) printf 'overlap = "none"\n' >> "$path" ;; esac
   if [ -n "${4:-}" ]; then printf '[lordo]\n%b\n' "$4" >> "$path"; fi
   echo "$path"
 }
@@ -158,8 +161,8 @@ exp6() { # overlapped rounds: none / delayed / eager on one-peer and two-peer; 2
   # SIM_FRAGMENTS=P (default 1) splits the model into P fragments ([outer] fragments): rounds
   # of 30/P inner steps, P times as many, each exchanging one fragment, so every fragment is
   # still synced every 30 steps and the runs take the same inner steps; named …-pP.
-  # SIM_MOMENTA (unset by default: the manifest's μ 0.9) runs each at these outer momenta,
-  # named …-muM.
+  # SIM_MOMENTA (unset by default: μ 0.9, written, as delayed's own default is 0.8) runs each
+  # at these outer momenta, named …-muM.
   local ro=${SIM_ROUNDS_OVERLAP:-30} p=${SIM_FRAGMENTS:-1} seed t mode mu name outer
   if ((30 % p != 0)); then echo "SIM_FRAGMENTS=$p must divide 30" >&2; return 1; fi
   for seed in ${SIM_SEEDS:-1234}; do
@@ -171,6 +174,8 @@ exp6() { # overlapped rounds: none / delayed / eager on one-peer and two-peer; 2
           if [ "$mu" != default ]; then
             name+="-mu$mu"
             outer+="\nmomentum = $mu"
+          else
+            outer+="\nmomentum = 0.9"
           fi
           ((p > 1)) && name+="-p$p"
           SIM_SEED=$seed sim "$name" $((ro * p)) $((ro * 30)) "$outer\nfragments = $p" '' \

@@ -23,8 +23,10 @@ swarm_pick_links() {
   fi
 }
 
-# swarm_manifest NAME TOPOLOGY INNER_STEPS ADAPTIVE OVERLAP [FRAGMENTS]: the benchmarks' run manifest,
-# the tiny model on byte tokens (0.53 MB fp32 payload), cosine decay far away.
+# swarm_manifest NAME TOPOLOGY INNER_STEPS ADAPTIVE OVERLAP [FRAGMENTS [MOMENTUM]]: the benchmarks' run manifest,
+# the tiny model on byte tokens (0.53 MB fp32 payload), cosine decay far away; every [outer] key
+# the comparison needs is written (fragments 1 and outer momentum 0.9 unless given), as the
+# defaults depend on the overlap.
 swarm_manifest() {
   cat <<EOF
 name = "$1"
@@ -49,6 +51,7 @@ min_inner_steps = 2
 max_inner_steps = 2000
 overlap = "$5"
 fragments = ${6:-1}
+momentum = ${7:-0.9}
 EOF
 }
 

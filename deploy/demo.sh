@@ -2,9 +2,10 @@
 # `make demo`: a whole gasloc swarm on this machine. A bootstrap node and 4 volunteer nodes
 # (`gasloc-node join`) train the demo model (examples/runs/demo.toml, 0.8 M parameters) on
 # the bundled Shakespeare byte-token data over loopback: each round every node takes its
-# inner AdamW steps, agrees on the round's pairs by commit-reveal, swaps its model with its
-# partner over QUIC and takes the outer Nesterov step. Prints every node's dashboard address
-# and one line per round (validation loss and H_i of each node, bytes sent); Ctrl-C stops
+# inner AdamW steps, agrees on the round's pairs by commit-reveal, swaps a fifth of its model
+# with its partner over QUIC while the next round trains, and takes the outer Nesterov step
+# on that fifth (the default overlap). Prints every node's dashboard address and one line
+# per round (H_i of each node, its validation loss every fifth round, bytes sent); Ctrl-C stops
 # everything cleanly (each node finishes its round, checkpoints and leaves).
 #
 # The demo joins as a volunteer would, with one command: the manifest pins the data's shards

@@ -10,7 +10,8 @@
 # Otherwise every node trains on <data dir> directly.
 #
 # usage: deploy/local-swarm.sh <bin dir> <run.toml> <data dir> [nodes] [rounds]
-#   environment: ROUND_MS (round period, default 12000), SWARM_DIR (default runs/swarm-<time>),
+#   environment: ROUND_MS (round period, default 2400: with the demo manifest's five fragments
+#   every part of the model is exchanged once in 12 s), SWARM_DIR (default runs/swarm-<time>),
 #   BASE_PORT (status ports BASE_PORT+1…, default 8380), THREADS (libtorch threads per node, 1)
 set -euo pipefail
 bin=${1:?bin dir with gasloc-node and gasloc-bootstrap}
@@ -18,7 +19,7 @@ run=${2:?run manifest}
 data=${3:?data dir}
 nodes=${4:-4}
 rounds=${5:-}
-round_ms=${ROUND_MS:-12000}
+round_ms=${ROUND_MS:-2400}
 base_port=${BASE_PORT:-8380}
 threads=${THREADS:-1}
 dir=${SWARM_DIR:-runs/swarm-$(date +%Y%m%d-%H%M%S)}
@@ -57,7 +58,7 @@ trap stop INT TERM HUP
   --listen /ip4/127.0.0.1/tcp/0 --addr-file "$dir/bootstrap.addr" \
   --identity "$dir/bootstrap.key" --genesis-delay-ms 8000 \
   --round-period-ms "$round_ms" --commit-window-ms 1500 --reveal-window-ms 1500 \
-  --exchange-timeout-ms $((round_ms / 3)) "${serve_data[@]}" >"$dir/bootstrap.log" 2>&1 &
+  --exchange-timeout-ms $((round_ms / 2)) "${serve_data[@]}" >"$dir/bootstrap.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 1 100); do [ -s "$dir/bootstrap.addr" ] && break; sleep 0.1; done
 [ -s "$dir/bootstrap.addr" ] || { echo "the bootstrap did not start: $dir/bootstrap.log" >&2; stop; }
@@ -77,7 +78,7 @@ for i in $(seq 1 "$nodes"); do
   pids+=($!)
   echo "node$i dashboard: http://127.0.0.1:$((base_port + i))/   (gasloc-node status --addr 127.0.0.1:$((base_port + i)))"
 done
-echo "swarm of $nodes nodes starting (round period $((round_ms / 1000)) s); Ctrl-C stops it"
+echo "swarm of $nodes nodes starting (round period $round_ms ms); Ctrl-C stops it"
 
 # One line per round once every node reported it (or a node stopped).
 next=0

@@ -63,9 +63,11 @@ struct Args {
     /// Delay from start to round 0 when --genesis-unix-ms is absent.
     #[arg(long, default_value_t = 5000)]
     genesis_delay_ms: u64,
-    /// Round period in milliseconds.
-    #[arg(long, default_value_t = 60_000)]
-    round_period_ms: u64,
+    /// Round period in milliseconds. Default: a minute over the manifest's `[outer]
+    /// fragments`, so every part of the model is exchanged once a minute (12 s with the
+    /// default overlap's five fragments, 60 s for the whole model).
+    #[arg(long)]
+    round_period_ms: Option<u64>,
     /// Commit window in milliseconds: members publish their commits for a round this long
     /// before it starts (at most one round period).
     #[arg(long, default_value_t = 5_000)]
@@ -74,9 +76,9 @@ struct Args {
     /// round is decided this long after (shorter than a round period).
     #[arg(long, default_value_t = 5_000)]
     reveal_window_ms: u64,
-    /// Exchange timeout in milliseconds.
-    #[arg(long, default_value_t = 30_000)]
-    exchange_timeout_ms: u64,
+    /// Exchange timeout in milliseconds. Default: half the round period.
+    #[arg(long)]
+    exchange_timeout_ms: Option<u64>,
     /// Neighbour structure: one-peer, two-peer or complete (default: the manifest's
     /// `[outer] topology`).
     #[arg(long)]
@@ -182,14 +184,17 @@ async fn main() -> Result<()> {
     let args = Args::parse();
     let manifest = RunManifest::load(&args.run)?;
     let run_id = manifest.run_id();
+    let period_ms = args
+        .round_period_ms
+        .unwrap_or(60_000 / manifest.outer.fragments as u64);
     let timing = Timing {
         genesis_ms: args
             .genesis_unix_ms
             .unwrap_or_else(|| unix_ms() + args.genesis_delay_ms),
-        period_ms: args.round_period_ms,
+        period_ms,
         commit_window_ms: args.commit_window_ms,
         reveal_window_ms: args.reveal_window_ms,
-        exchange_timeout_ms: args.exchange_timeout_ms,
+        exchange_timeout_ms: args.exchange_timeout_ms.unwrap_or(period_ms / 2),
         topology: match &args.topology {
             Some(name) => swarm_topology(name, "--topology")?,
             None => swarm_topology(manifest.outer.topology.name(), "[outer] topology")?,

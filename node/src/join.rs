@@ -91,9 +91,11 @@ pub struct JoinArgs {
     /// Checkpoints kept.
     #[arg(long, default_value_t = 3)]
     pub keep_checkpoints: usize,
-    /// Evaluate the anchor every this many rounds (0: never).
-    #[arg(long, default_value_t = 1)]
-    pub eval_every: u64,
+    /// Evaluate the anchor every this many rounds (0: never). Default: the manifest's `[outer]
+    /// fragments`, once per pass over the model (every round for whole-model rounds, every
+    /// fifth with the default overlap's five fragments).
+    #[arg(long)]
+    pub eval_every: Option<u64>,
     /// libtorch intra-op threads (0: libtorch's default; use 1 when several nodes share a
     /// machine).
     #[arg(long, default_value_t = 0)]
@@ -437,7 +439,7 @@ async fn make_trainer(
         checkpoints: args.home.join("checkpoints"),
         checkpoint_every: args.checkpoint_every,
         keep_checkpoints: args.keep_checkpoints,
-        eval_every: args.eval_every,
+        eval_every: args.eval_every.unwrap_or(manifest.outer.fragments as u64),
         threads: args.threads,
         peer,
     };

@@ -22,8 +22,11 @@ use std::sync::Arc;
 /// not all begin from the run's seed anchor (in a node there is one volunteer a process).
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Blocking rounds of the whole model: each payload is every tensor of the model.
 fn run_text(gate: &str) -> String {
-    format!("{TINY_RUN}\n[outer]\ntopology = \"two-peer\"\ninner_steps = 4\n{gate}")
+    format!(
+        "{TINY_RUN}\n[outer]\ntopology = \"two-peer\"\ninner_steps = 4\noverlap = \"none\"\n{gate}"
+    )
 }
 
 fn volunteer(dir: &Path, name: &str, gate: &str) -> Volunteer {

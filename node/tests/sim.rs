@@ -53,7 +53,9 @@ fn same_bits(a: &[Vec<Tensor>], b: &[Vec<Tensor>]) -> bool {
 #[test]
 fn complete_topology_with_nesterov_is_diloco_bit_for_bit() {
     let (gasloc, anchors_g) = simulate(
-        &manifest("algorithm = \"gasloc\"\ntopology = \"complete\"\ninner_steps = 3"),
+        &manifest(
+            "algorithm = \"gasloc\"\ntopology = \"complete\"\ninner_steps = 3\noverlap = \"none\"",
+        ),
         options(4, 3),
     );
     let (diloco, anchors_d) = simulate(
@@ -134,7 +136,10 @@ fn lordo_payload_sends_less_than_the_model_and_resyncs_every_k_rounds() {
 
 #[test]
 fn adaptive_h_shortens_the_straggler_rounds_only() {
-    let m = manifest("inner_steps = 10\nadaptive_inner_steps = true\nmin_inner_steps = 2");
+    // Blocking rounds: the exchange's time comes out of the straggler's and its partner's steps.
+    let m = manifest(
+        "inner_steps = 10\nadaptive_inner_steps = true\nmin_inner_steps = 2\noverlap = \"none\"",
+    );
     let mut o = options(4, 3);
     o.stragglers = vec![Straggler {
         worker: 2,
@@ -191,15 +196,19 @@ fn instantaneous(workers: usize, rounds: u64) -> SimOptions {
 #[test]
 fn delayed_overlap_with_an_instantaneous_exchange_is_the_blocking_run_bit_for_bit() {
     for outer in [
-        "topology = \"one-peer\"\ninner_steps = 3",
-        "topology = \"two-peer\"\ninner_steps = 3",
-        "algorithm = \"diloco\"\ninner_steps = 3",
+        "topology = \"one-peer\"\ninner_steps = 3\nfragments = 1",
+        "topology = \"two-peer\"\ninner_steps = 3\nfragments = 1",
+        "algorithm = \"diloco\"\ninner_steps = 3\nfragments = 1",
         "topology = \"two-peer\"\ninner_steps = 3\nfragments = 3",
         "algorithm = \"diloco\"\ninner_steps = 3\nfragments = 2",
     ] {
-        let (blocking, anchors_b) = simulate(&manifest(outer), instantaneous(4, 4));
+        // The same settings spelled out for both (delayed's own defaults differ).
+        let (blocking, anchors_b) = simulate(
+            &manifest(&format!("{outer}\noverlap = \"none\"")),
+            instantaneous(4, 4),
+        );
         let (delayed, anchors_d) = simulate(
-            &manifest(&format!("{outer}\noverlap = \"delayed\"")),
+            &manifest(&format!("{outer}\noverlap = \"delayed\"\nmomentum = 0.9")),
             instantaneous(4, 4),
         );
         assert!(same_bits(&anchors_b, &anchors_d), "{outer}: anchors differ");
@@ -265,7 +274,7 @@ fn a_fragmented_round_moves_only_its_fragment() {
 /// the other fragments' unsynced steps, which their anchors do not have, so the two differ.
 #[test]
 fn the_models_in_training_are_evaluated_beside_the_anchors() {
-    let whole = "topology = \"one-peer\"\ninner_steps = 3";
+    let whole = "topology = \"one-peer\"\ninner_steps = 3\noverlap = \"none\"";
     let (blocking, _) = simulate(&manifest(whole), options(4, 3));
     for r in &blocking {
         assert_eq!(r.local_val_loss, r.val_loss, "round {}", r.round);
@@ -287,7 +296,8 @@ fn eager_overlap_with_an_instantaneous_exchange_is_the_blocking_run_up_to_roundi
     // The own step and the neighbours' terms added to it give the blocking outer step up to
     // rounding; the payload is the model handed off, not the anchor eager moves on to.
     let outer = "topology = \"two-peer\"\ninner_steps = 3";
-    let (blocking, _) = simulate(&manifest(outer), instantaneous(4, 4));
+    let blocking = manifest(&format!("{outer}\noverlap = \"none\""));
+    let (blocking, _) = simulate(&blocking, instantaneous(4, 4));
     let (eager, _) = simulate(
         &manifest(&format!("{outer}\noverlap = \"eager\"")),
         instantaneous(4, 4),
@@ -301,7 +311,8 @@ fn eager_overlap_with_an_instantaneous_exchange_is_the_blocking_run_up_to_roundi
 #[test]
 fn eager_overlap_without_a_neighbour_is_the_blocking_run_bit_for_bit() {
     let outer = "topology = \"one-peer\"\ninner_steps = 3";
-    let (blocking, anchors_b) = simulate(&manifest(outer), options(1, 3));
+    let blocking = manifest(&format!("{outer}\noverlap = \"none\""));
+    let (blocking, anchors_b) = simulate(&blocking, options(1, 3));
     let (eager, anchors_e) = simulate(
         &manifest(&format!("{outer}\noverlap = \"eager\"")),
         options(1, 3),
@@ -322,8 +333,11 @@ fn overlapped_rounds_train_through_a_slow_exchange_and_still_learn() {
         latency_ms: 20.0,
         ..options(4, 6)
     };
-    let outer = "topology = \"two-peer\"\ninner_steps = 6\nmomentum = 0.5";
-    let (blocking, _) = simulate(&manifest(outer), slow.clone());
+    let outer = "topology = \"two-peer\"\ninner_steps = 6\nmomentum = 0.5\nfragments = 1";
+    let (blocking, _) = simulate(
+        &manifest(&format!("{outer}\noverlap = \"none\"")),
+        slow.clone(),
+    );
     let busy = |r: &[SwarmRound]| {
         r.iter().map(|r| r.mean_compute_utilization()).sum::<f64>() / r.len() as f64
     };

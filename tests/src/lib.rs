@@ -444,10 +444,17 @@ pub fn tiny_run(name: &str, seed: u64, outer: &str) -> String {
     )
 }
 
-/// The `[outer]` section of the tests that train with faults: one-peer, adaptive H_i.
+/// The `[outer]` section of the tests that train with faults: one-peer, adaptive H_i (and
+/// the default overlap, `delayed` in five fragments, unless the test adds its own).
 pub const ADAPTIVE_ONE_PEER: &str = "topology = \"one-peer\"\ninner_steps = 20\n\
     adaptive_inner_steps = true\nmin_inner_steps = 2\nmax_inner_steps = 2000\nlr = 0.7\n\
     momentum = 0.9\n";
+
+/// `outer` with blocking rounds (`overlap = "none"`): for the tests of what a blocking round
+/// does (its idle time, its faults), written before overlapped rounds were the default.
+pub fn blocking(outer: &str) -> String {
+    format!("{outer}overlap = \"none\"\n")
+}
 
 /// Deterministic English-like text: a few sentences in a pseudo-random order.
 pub fn sample_text(bytes: usize) -> String {

@@ -20,7 +20,7 @@
 //! command is bounded (`timeout`); the project's containers, network and volumes are removed
 //! at the end, failed or not. Traffic stays on the project's own bridge network.
 
-use gasloc_tests::{built_binary, prepare_byte_data, tiny_run, ADAPTIVE_ONE_PEER};
+use gasloc_tests::{blocking, built_binary, prepare_byte_data, tiny_run, ADAPTIVE_ONE_PEER};
 use serde_json::Value;
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
@@ -346,7 +346,7 @@ fn a_compose_swarm_trains_through_kills_a_cut_link_a_rolling_restart_and_a_lost_
     let manifest = dir.join("run.toml");
     std::fs::write(
         &manifest,
-        tiny_run("compose-faults-test", 13, ADAPTIVE_ONE_PEER),
+        tiny_run("compose-faults-test", 13, &blocking(ADAPTIVE_ONE_PEER)),
     )
     .unwrap();
     let data = prepare_byte_data(dir);
@@ -639,7 +639,11 @@ fn the_compose_wrapper_names_a_missing_data_directory_manifest_or_image() {
     let dir = gasloc_tests::TestDir::new();
     let dir = dir.path();
     let manifest = dir.join("run.toml");
-    std::fs::write(&manifest, tiny_run("wrapper-test", 1, ADAPTIVE_ONE_PEER)).unwrap();
+    std::fs::write(
+        &manifest,
+        tiny_run("wrapper-test", 1, &blocking(ADAPTIVE_ONE_PEER)),
+    )
+    .unwrap();
     let data = prepare_byte_data(dir);
     let wrapper = repo().join("deploy/compose.sh");
     let refusal = |env: &[(&str, &Path)], image: &str| -> String {

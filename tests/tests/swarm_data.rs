@@ -9,7 +9,7 @@
 
 use gasloc_tests::http_mirror::{HttpMirror, MirrorMode};
 use gasloc_tests::{
-    bootstrap_command, fetching_join_command, field, http_get, join_command, pin_data,
+    blocking, bootstrap_command, fetching_join_command, field, http_get, join_command, pin_data,
     prepare_byte_data, prepare_byte_data_with, read_report, spawn_bootstrap, start_bootstrap,
     tiny_run, Proc, ADAPTIVE_ONE_PEER, UNIFORM_LOSS,
 };
@@ -34,7 +34,10 @@ fn pinned_run_of(dir: &Path, name: &str, data: PathBuf, shards: usize) -> (PathB
     let manifest = dir.join("run.toml");
     std::fs::write(
         &manifest,
-        format!("# a comment\n{}", tiny_run(name, 3, ADAPTIVE_ONE_PEER)),
+        format!(
+            "# a comment\n{}",
+            tiny_run(name, 3, &blocking(ADAPTIVE_ONE_PEER))
+        ),
     )
     .unwrap();
     let out = pin_data(&data, &manifest, &[]);
@@ -378,7 +381,7 @@ fn an_http_mirror_serves_the_data_and_a_failing_mirror_falls_back_to_the_swarm()
     let data = prepare_byte_data(dir);
     let run = |name: &str, mirror: &HttpMirror| {
         let manifest = dir.join(format!("{name}.toml"));
-        std::fs::write(&manifest, tiny_run(name, 3, ADAPTIVE_ONE_PEER)).unwrap();
+        std::fs::write(&manifest, tiny_run(name, 3, &blocking(ADAPTIVE_ONE_PEER))).unwrap();
         pin_data(&data, &manifest, &["--mirror", &mirror.url]);
         manifest
     };

@@ -12,8 +12,8 @@
 //! mean is within a stated margin of one node trained alone for as many steps.
 
 use gasloc_tests::{
-    built_binary, field, join_command, read_report, start_join, start_training_swarm, val_losses,
-    Proc, ADAPTIVE_ONE_PEER, UNIFORM_LOSS,
+    blocking, built_binary, field, join_command, read_report, start_join, start_training_swarm,
+    val_losses, Proc, ADAPTIVE_ONE_PEER, UNIFORM_LOSS,
 };
 use serde_json::Value;
 use std::path::Path;
@@ -37,7 +37,7 @@ fn a_swarm_trains_through_a_kill_a_late_joiner_and_a_slow_uplink() {
     let dir = dir.path();
     let manifest = dir.join("run.toml");
     let (_bootstrap, boot, data) =
-        start_training_swarm(dir, "swarm-training-test", 11, ADAPTIVE_ONE_PEER);
+        start_training_swarm(dir, "swarm-training-test", 11, &blocking(ADAPTIVE_ONE_PEER));
     let home = |i: usize| dir.join(format!("node{i}"));
     let start_node = |i: usize, extra: &[&str]| start_join(dir, &boot, &data, i, extra);
     // The tiny model is 131 k parameters, 0.53 MB per payload: at 350 kB/s node 2 needs

@@ -51,7 +51,15 @@ fn four_nodes_on_a_two_peer_ring_learn_and_other_runs_are_refused() {
                     &boot,
                     &home(i),
                     &data,
-                    &["--rounds", "7", "--status-addr", &status],
+                    // Every round evaluated (the default overlap's is every fifth).
+                    &[
+                        "--rounds",
+                        "7",
+                        "--status-addr",
+                        &status,
+                        "--eval-every",
+                        "1",
+                    ],
                 ),
             )
         })
