@@ -5,7 +5,7 @@
 # byte data. Links: as root with `ip` and `tc`, each node runs in its own network namespace
 # on a bridge with a tbf rate limit (deploy/netns-swarm.sh): 16 Mbit/s, node 1 at 1.6 Mbit/s
 # (the straggler); otherwise (or with LINKS=caps) on loopback with every node's upload capped
-# by --max-upload-rate at 2 MB/s, node 1's at 200 kB/s. Four
+# by --max-upload-rate at 2 MB/s, node 1's at 200 kB/s. Five
 # configurations run one after the other for the same wall-clock time, each with the
 # shortest round period it can sustain:
 #
@@ -13,6 +13,9 @@
 #                    straggler (and whoever is paired with it) takes fewer inner steps;
 #   gasloc-delayed   the same with overlap = "delayed": the exchange runs beside the next
 #                    round's inner steps, so the straggler's pair keeps computing;
+#   gasloc-default   the manifest's default overlap: delayed in five fragments at outer
+#                    momentum 0.8, rounds of a fifth of gasloc-delayed's period, evaluated
+#                    every fifth round;
 #   gasloc-fixed     one-peer, fixed H: the period must fit the straggler's exchange;
 #   diloco           complete topology (all-reduce), fixed H: the period must fit the
 #                    straggler sending its model to all three peers — everyone waits for it.
@@ -59,7 +62,10 @@ run_config() { # name topology adaptive period_ms exchange_timeout_ms [overlap]
 # fast link and ~2.7 s from the straggler; DiLoCo's straggler sends 3 copies (~8 s).
 run_config gasloc-adaptive one-peer true 4500 3500
 run_config gasloc-delayed one-peer true 4500 3500 delayed
+mkdir -p "$out/gasloc-default"
+swarm_manifest "straggler-gasloc-default" one-peer 20 true delayed 5 0.8 >"$out/gasloc-default/run.toml"
+swarm_config "$out/gasloc-default" 900 700 5
 run_config gasloc-fixed one-peer false 5000 3500
 run_config diloco complete false 11000 9000
 
-"$python" "$(dirname "$0")/swarm_report.py" "$out" diloco gasloc-adaptive gasloc-delayed gasloc-fixed diloco
+"$python" "$(dirname "$0")/swarm_report.py" "$out" diloco gasloc-adaptive gasloc-delayed gasloc-default gasloc-fixed diloco
