@@ -467,12 +467,10 @@ pub enum Payload {
 
 /// How a round's exchange overlaps the next round's inner steps (ALGORITHMS.md, `docs/algorithms.md`
 /// "Overlapped rounds"). Left out, [`Overlap::default_for`] decides.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Overlap {
     /// Blocking rounds: train, exchange, outer step, then the next round's inner steps.
-    /// (`Default` for serde: the canonical bytes leave it out.)
-    #[default]
     None,
     /// The next round's inner steps start as soon as the payload is handed to the exchange;
     /// when the exchange ends, the round's outer step is applied to the anchor and the local
@@ -502,10 +500,6 @@ impl Overlap {
         } else {
             Overlap::None
         }
-    }
-
-    pub fn is_none(&self) -> bool {
-        *self == Overlap::None
     }
 
     pub fn name(self) -> &'static str {
