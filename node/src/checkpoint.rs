@@ -61,9 +61,13 @@ pub struct TrainState {
     /// For a swarm node: the round the saved anchor begins (the next one it takes part in).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub round: Option<u64>,
-    /// For a swarm node: the distances its payload gate accepted lately, oldest first (the
-    /// gate's reference, `gasloc_proto::gate::PayloadGate::accepted`), so that a restarted
-    /// node judges its neighbours as it did before the restart.
+    /// For a swarm node: the distances its payload gate accepted lately, per model fragment,
+    /// oldest first (the gate's reference, `gasloc_proto::gate::PayloadGate::accepted`), so
+    /// that a restarted node judges its neighbours as it did before the restart.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub gate_windows: Vec<Vec<f64>>,
+    /// The one window of checkpoints written before the windows were kept per fragment:
+    /// read (as every fragment's window), no longer written.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub gate_accepted: Vec<f64>,
 }
@@ -78,8 +82,18 @@ impl TrainState {
             worker_count: slot.count,
             stream,
             round: None,
+            gate_windows: Vec::new(),
             gate_accepted: Vec::new(),
         }
+    }
+
+    /// The payload gate's windows for a model in `fragments` fragments: `gate_windows`, or in
+    /// a checkpoint of the one window, that window for each.
+    pub fn gate_windows(&self, fragments: usize) -> Vec<Vec<f64>> {
+        if self.gate_windows.is_empty() && !self.gate_accepted.is_empty() {
+            return vec![self.gate_accepted.clone(); fragments];
+        }
+        self.gate_windows.clone()
     }
 }
 

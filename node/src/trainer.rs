@@ -333,6 +333,30 @@ impl Trainer {
         loss
     }
 
+    /// Mean loss over `batches` of the model in training with the tensors `members` set to
+    /// each of `variants` in turn (each in `members`' order): a fragment's candidates judged
+    /// in the model they would join. The model in training is put back after, exactly.
+    pub fn evaluate_with_fragment(
+        &mut self,
+        members: &[usize],
+        variants: &[Vec<Tensor>],
+        batches: &[Batch],
+    ) -> Vec<f64> {
+        let in_training = crate::algo::copies(&crate::algo::outer::fragment_of(
+            &self.parameters(),
+            members,
+        ));
+        let losses = variants
+            .iter()
+            .map(|values| {
+                self.set_fragment(members, values);
+                self.evaluate(batches)
+            })
+            .collect();
+        self.set_fragment(members, &in_training);
+        losses
+    }
+
     /// The current state as a checkpoint (tensors copied to the CPU): the model, the inner
     /// optimizer's state (AdamW's moments, or LoRDO's moments, bases and error buffers), the
     /// step and the data cursor.

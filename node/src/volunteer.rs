@@ -50,12 +50,12 @@ use gasloc_data::stream::{Batch, WorkerSlot};
 use gasloc_p2p::network::unix_ms;
 use gasloc_p2p::tensors::{Tensor as WireTensor, TensorSet, TensorSpec};
 use gasloc_p2p::work::{
-    Candidate, Finished, GateReading, PayloadTables, Received, RoundWork, Screened, TrainOrder,
-    Trained, WorkFuture,
+    AnchorSpread, Candidate, Finished, GateReading, PayloadTables, Received, RoundWork, Screened,
+    TrainOrder, Trained, WorkFuture,
 };
 use gasloc_p2p::PeerId;
 use gasloc_proto::fragments::Fragments;
-use gasloc_proto::gate::{PayloadGate, PayloadStats, Refusal};
+use gasloc_proto::gate::{LossReading, PayloadGate, PayloadStats, Refusal};
 use gasloc_proto::manifest::{Algorithm, InnerOptimizerKind, Overlap, Payload};
 use gasloc_proto::pace::{InnerSteps, MovingAverage};
 use gasloc_proto::wire::DType;
@@ -129,7 +129,7 @@ enum Request {
     Train(TrainOrder, oneshot::Sender<Result<Trained>>),
     Screen(u64, Vec<Candidate>, oneshot::Sender<Result<Vec<Screened>>>),
     Finish(Received, oneshot::Sender<Result<Finished>>),
-    LoadState(u64, TensorSet, Vec<f64>, oneshot::Sender<Result<()>>),
+    LoadState(u64, TensorSet, AnchorSpread, oneshot::Sender<Result<()>>),
     Close(oneshot::Sender<Result<()>>),
 }
 
@@ -214,7 +214,7 @@ impl RoundWork for Volunteer {
     fn finish(&mut self, received: Received) -> WorkFuture<Finished> {
         self.call(|reply| Request::Finish(received, reply))
     }
-    fn load_state(&mut self, round: u64, state: TensorSet, spread: Vec<f64>) -> WorkFuture<()> {
+    fn load_state(&mut self, round: u64, state: TensorSet, spread: AnchorSpread) -> WorkFuture<()> {
         self.call(|reply| Request::LoadState(round, state, spread, reply))
     }
     fn close(&mut self) -> WorkFuture<()> {
@@ -252,8 +252,12 @@ struct RoundTrainer {
     /// The model's fragments (`[outer] fragments`): round r sends, mixes and outer-steps
     /// only the tensors of `fragments.of_round_members(r)` (every tensor with one fragment).
     fragments: Fragments,
-    /// Judges each received model before it is mixed (`[gate]` of the manifest).
+    /// Judges each received model before it is mixed (`[gate]` of the manifest), with a
+    /// window of accepted distances per fragment.
     gate: PayloadGate,
+    /// The functional check's held-out batches (`[gate] check_sequences` validation
+    /// sequences each), round r using `check[r mod len]`; empty when the check is off.
+    check: Vec<Batch>,
     /// `[outer] payload = "lordo"`: the low-rank payload's sender and decoder.
     lordo_wire: Option<LordoWire>,
     val: Vec<Batch>,
@@ -295,7 +299,7 @@ impl RoundTrainer {
         let mut start = Start::Fresh;
         let mut saved_momentum = Vec::new();
         let mut saved_local = Vec::new();
-        let mut gate_accepted = Vec::new();
+        let mut gate_windows = Vec::new();
         let trainer = match newest_checkpoint(&options)? {
             Some((dir, ckpt)) => {
                 let trainer = Trainer::from_checkpoint(
@@ -307,11 +311,11 @@ impl RoundTrainer {
                     &dir,
                 )?;
                 let state = ckpt.state.as_ref().expect("checked by from_checkpoint");
-                gate_accepted = state.gate_accepted.clone();
+                gate_windows = state.gate_windows(manifest.outer.fragments);
                 start = Start::Resumed {
                     round: state.round.unwrap_or(0),
                     step: state.step,
-                    gate_window: gate_accepted.len(),
+                    gate_window: gate_windows.iter().map(Vec::len).sum(),
                 };
                 saved_momentum = ckpt.outer_momentum;
                 saved_local = ckpt.local;
@@ -330,6 +334,7 @@ impl RoundTrainer {
         } else {
             Vec::new()
         };
+        let check = check_batches(&data, manifest);
         let anchor: Vec<Tensor> = trainer.parameters().iter().map(|t| t.copy()).collect();
         let outer = OuterOptimizer::new(&manifest.outer, &anchor);
         let names = trainer.parameter_names();
@@ -344,6 +349,8 @@ impl RoundTrainer {
         }
         let shapes: Vec<Vec<i64>> = anchor.iter().map(|t| t.size()).collect();
         let fragments = model_fragments(&anchor, manifest.outer.fragments)?;
+        let gate =
+            PayloadGate::with_accepted(manifest.gate.clone(), fragments.count(), gate_windows);
         let lordo_wire = match (&manifest.outer.payload, trainer.inner_optimizer()) {
             (Payload::Lordo, InnerOptimizer::Lordo(lordo)) => Some(LordoWire::new(
                 &names,
@@ -382,7 +389,8 @@ impl RoundTrainer {
             anchor,
             outer,
             fragments,
-            gate: PayloadGate::with_accepted(manifest.gate.clone(), gate_accepted),
+            gate,
+            check,
             lordo_wire,
             val,
             step_time: MovingAverage::default(),
@@ -614,20 +622,19 @@ impl RoundTrainer {
 
     /// The payload gate: measures each received model `x_j` against the anchor `θ_i` —
     /// finiteness, `‖θ_i − x_j‖`, and its cosine with this node's own pseudo-gradient
-    /// `θ_i − x_i` — and lets [`PayloadGate`] judge (`gasloc_proto::gate`). A `lordo` payload
-    /// is measured as the model it stands for: `θ_i − x_j` is its pseudo-gradient `Δ_j`, plus
-    /// `θ_i − θ_j` on a full-sync round, whose anchor is mixed too; this node's own is the
-    /// pseudo-gradient it sent.
+    /// `θ_i − x_i`, over the round's fragment — then what it does: the functional check's
+    /// losses ([`Self::loss_readings`]); [`PayloadGate`] judges (`gasloc_proto::gate`),
+    /// against the fragment's own window. A `lordo` payload is measured as the model it stands
+    /// for: `θ_i − x_j` is its pseudo-gradient `Δ_j`, plus `θ_i − θ_j` on a full-sync round,
+    /// whose anchor is mixed too; this node's own is the pseudo-gradient it sent.
     fn screen(&mut self, round: u64, candidates: Vec<Candidate>) -> Result<Vec<Screened>> {
+        let started = Instant::now();
         let _guard = tch::no_grad_guard();
         let anchor = self.round_anchor(round);
+        let own_model = self.own_payload_model(round);
         let own_delta: Vec<Tensor> = match self.lordo_wire.as_ref().and_then(|w| w.own(round)) {
             Some(sent) => sent.iter().map(Tensor::shallow_clone).collect(),
-            None => anchor
-                .iter()
-                .zip(self.own_payload_model(round))
-                .map(|(a, x)| a - x)
-                .collect(),
+            None => anchor.iter().zip(&own_model).map(|(a, x)| a - x).collect(),
         };
         let own_distance = own_delta
             .iter()
@@ -636,17 +643,21 @@ impl RoundTrainer {
             .sqrt();
         let device = self.trainer.device();
         let mut measured = Vec::with_capacity(candidates.len());
-        // Each candidate's decoded model (model payloads only), kept if the gate accepts it.
-        let mut decoded: Vec<Option<Vec<Tensor>>> = Vec::with_capacity(candidates.len());
+        // Each candidate's model `x_j` over the round's fragment, when it could be read: for a
+        // model payload the decoded one (kept for the outer step if the gate accepts it), for
+        // a `lordo` payload `θ_i − (θ_i − x_j)`.
+        let mut models: Vec<Option<Vec<Tensor>>> = Vec::with_capacity(candidates.len());
         for candidate in &candidates {
             let (stats, model) = match &self.lordo_wire {
                 Some(wire) => {
-                    let stats = lordo_differences(wire, round, &candidate.tensors, &anchor, device)
-                        .and_then(|d| {
+                    match lordo_differences(wire, round, &candidate.tensors, &anchor, device) {
+                        Ok(d) => {
+                            let model = anchor.iter().zip(&d).map(|(a, d)| a - d).collect();
                             let named = self.names.iter().cloned().zip(d).map(Ok);
-                            measure(named, &own_delta, own_distance)
-                        });
-                    (stats, None)
+                            (measure(named, &own_delta, own_distance), Some(model))
+                        }
+                        Err(refusal) => (Err(refusal), None),
+                    }
                 }
                 None => match self.decode_model(round, &candidate.tensors, device) {
                     Ok(model) => {
@@ -664,20 +675,42 @@ impl RoundTrainer {
                 },
             };
             measured.push(stats);
-            decoded.push(model);
+            models.push(model);
+        }
+        // The functional check, on every payload whose values are finite.
+        let finite: Vec<Option<&[Tensor]>> = measured
+            .iter()
+            .zip(&models)
+            .map(|(stats, model)| match (stats, model) {
+                (Ok(stats), Some(model)) if stats.non_finite.is_none() => Some(&model[..]),
+                _ => None,
+            })
+            .collect();
+        let mut readings = self.loss_readings(round, &anchor, &own_model, &finite);
+        for (stats, reading) in measured.iter_mut().zip(readings.iter_mut()) {
+            if let Ok(stats) = stats {
+                stats.loss = reading.take();
+            }
         }
         let stats: Vec<PayloadStats> = measured
             .iter()
             .filter_map(|m| m.as_ref().ok().cloned())
             .collect();
-        let reference = self.gate.reference(own_distance);
-        let mut judged = self.gate.judge_round(own_distance, &stats).into_iter();
+        let fragment = self.fragments.of_round(round);
+        let reference = self.gate.reference(fragment, own_distance);
+        let mut judged = self
+            .gate
+            .judge_round(fragment, own_distance, &stats)
+            .into_iter();
+        // The trainer's seconds for this round's gate, shared out over its readings.
+        let screen_s = started.elapsed().as_secs_f64() / candidates.len().max(1) as f64;
+        let keeps_models = self.lordo_wire.is_none();
         let accepted_models = &mut self.accepted_models;
         let screened = candidates
             .into_iter()
             .zip(measured)
-            .zip(decoded)
-            .map(|((candidate, measured), models)| {
+            .zip(models)
+            .map(|((candidate, measured), model)| {
                 let (verdict, reading) = match measured {
                     Ok(stats) => (
                         judged.next().expect("one verdict per measured payload"),
@@ -686,12 +719,15 @@ impl RoundTrainer {
                             distance: stats.distance,
                             reference,
                             cosine: stats.cosine,
+                            loss: stats.loss.map(|l| l.theirs),
+                            loss_reference: stats.loss.map(|l| l.reference()),
+                            screen_s,
                         }),
                     ),
                     Err(refusal) => (Err(refusal), None),
                 };
-                if let (Ok(()), Some(models)) = (&verdict, models) {
-                    accepted_models.push((round, candidate.peer, models));
+                if let (Ok(()), Some(model), true) = (&verdict, model, keeps_models) {
+                    accepted_models.push((round, candidate.peer, model));
                 }
                 Screened {
                     candidate,
@@ -701,6 +737,48 @@ impl RoundTrainer {
             })
             .collect();
         Ok(screened)
+    }
+
+    /// The functional check's losses ([`LossReading`]) of each model in `theirs` (`None`:
+    /// not checked), on this round's held-out batch: the model in training with the round's
+    /// fragment set to this node's own payload `own`, to the round's anchor `anchor`, and to
+    /// each `x_j`. The model in training is put back after, exactly.
+    /// Nothing is measured when the check is off (`[gate] check_sequences = 0`, or no
+    /// validation data).
+    fn loss_readings(
+        &mut self,
+        round: u64,
+        anchor: &[Tensor],
+        own: &[Tensor],
+        theirs: &[Option<&[Tensor]>],
+    ) -> Vec<Option<LossReading>> {
+        if self.check.is_empty() || theirs.iter().all(Option::is_none) {
+            return vec![None; theirs.len()];
+        }
+        let batch = &self.check[(round % self.check.len() as u64) as usize];
+        let members = self.fragments.of_round_members(round).to_vec();
+        let mut variants: Vec<Vec<Tensor>> = vec![
+            own.iter().map(Tensor::shallow_clone).collect(),
+            anchor.iter().map(Tensor::shallow_clone).collect(),
+        ];
+        for x in theirs.iter().flatten() {
+            variants.push(x.iter().map(Tensor::shallow_clone).collect());
+        }
+        let losses =
+            self.trainer
+                .evaluate_with_fragment(&members, &variants, std::slice::from_ref(batch));
+        let (own_loss, anchor_loss) = (losses[0], losses[1]);
+        let mut with_theirs = losses[2..].iter();
+        theirs
+            .iter()
+            .map(|x| {
+                x.map(|_| LossReading {
+                    own: own_loss,
+                    anchor: anchor_loss,
+                    theirs: *with_theirs.next().expect("one loss per model checked"),
+                })
+            })
+            .collect()
     }
 
     /// Round `round`'s model payload (already checked against its table: the round's
@@ -903,7 +981,7 @@ impl RoundTrainer {
         Ok(TensorSet::new(tensors))
     }
 
-    fn load_state(&mut self, round: u64, state: TensorSet, spread: Vec<f64>) -> Result<()> {
+    fn load_state(&mut self, round: u64, state: TensorSet, spread: AnchorSpread) -> Result<()> {
         let n = self.names.len();
         if state.tensors.len() != 2 * n {
             bail!(
@@ -952,13 +1030,16 @@ impl RoundTrainer {
         }
         self.trainer.set_parameters(&self.anchor);
         self.round = round;
-        // The window of accepted distances: the synced sources' spread, when they were
-        // several and not all alike; else what this node had (a stale checkpoint's window,
-        // or none).
-        self.gate.restart_window(spread);
+        // Each fragment's window of accepted distances: the synced sources' spread over the
+        // fragment, when they were several and not all alike; else what this node had (a
+        // stale checkpoint's window, or none).
+        let windows = (0..self.fragments.count())
+            .map(|f| spread.over(self.fragments.members(f)))
+            .collect();
+        self.gate.restart_windows(windows);
         tracing::info!(
             round,
-            gate_reference = self.gate.accepted_median().unwrap_or(0.0),
+            gate_reference = self.gate.accepted_median(0).unwrap_or(0.0),
             "state synced: training from the swarm's anchor"
         );
         Ok(())
@@ -1016,7 +1097,8 @@ impl RoundTrainer {
         }
         if let Some(state) = ckpt.state.as_mut() {
             state.round = Some(self.round);
-            state.gate_accepted = self.gate.accepted();
+            state.gate_windows = self.gate.accepted();
+            state.gate_accepted = Vec::new();
         }
         let dir = checkpoint::save(
             &self.options.checkpoints,
@@ -1161,8 +1243,35 @@ fn measure(
         non_finite,
         distance,
         cosine,
+        loss: None,
     })
 }
+
+/// The functional check's held-out batches: up to [`CHECK_SLICES`] batches of `[gate]
+/// check_sequences` validation sequences each (none when the check is off or the data has no
+/// validation split, with a warning).
+fn check_batches(data: &TokenDataset, manifest: &RunManifest) -> Vec<Batch> {
+    let sequences = manifest.gate.check_sequences as usize;
+    if sequences == 0 {
+        return Vec::new();
+    }
+    let batches = gasloc_data::stream::validation_batches(
+        data,
+        manifest.data.seq_len,
+        sequences,
+        CHECK_SLICES,
+    );
+    match batches {
+        Ok(batches) => batches,
+        Err(e) => {
+            tracing::warn!("the payload gate's functional check is off: no held-out batch ({e})");
+            Vec::new()
+        }
+    }
+}
+
+/// How many slices of the validation split the functional check takes turns over.
+const CHECK_SLICES: usize = 8;
 
 /// The data order of a node: the run's seed mixed with its peer id.
 fn stream_seed(run_seed: u64, peer: &PeerId) -> u64 {

@@ -116,13 +116,21 @@ fn expected_kinds(mode: Poison, round: u64) -> &'static [&'static str] {
     match mode {
         Poison::Payloads if round.is_multiple_of(2) => &["non_finite"],
         Poison::Payloads => &["too_far"],
-        _ => &["misaligned", "too_far"],
+        _ => &["misaligned", "too_far", "harmful"],
+    }
+}
+
+/// The pairing at which an honest node bans an adversary of `mode`: the first for garbage
+/// beyond doubt (a NaN, a model × 1000: gross offences), else the `ban_after_offences`-th.
+fn bans_at(mode: Poison) -> usize {
+    match mode {
+        Poison::Payloads => 1,
+        _ => gasloc_proto::manifest::GateConfig::default().ban_after_offences as usize,
     }
 }
 
 /// Checks one attacked run (see the module doc) and returns its validation losses per round.
 fn check(run: &str, nodes: &[(Vec<Value>, Value)], adversaries: &[String], modes: &[Poison]) {
-    let ban_after = gasloc_proto::manifest::GateConfig::default().ban_after_offences as usize;
     for (n, (records, bans)) in nodes.iter().enumerate() {
         let node = format!("{run} node{}", n + 1);
         assert!(
@@ -161,7 +169,7 @@ fn check(run: &str, nodes: &[(Vec<Value>, Value)], adversaries: &[String], modes
                         panic!("{node} did not refuse {mode:?} in round {round}: {r}")
                     });
                 let kind = refusal["kind"].as_str().unwrap();
-                if pairings[k] > ban_after {
+                if pairings[k] > bans_at(*mode) {
                     assert_eq!(kind, "banned", "{node} round {round} {mode:?}: {r}");
                 } else {
                     assert!(
@@ -177,7 +185,7 @@ fn check(run: &str, nodes: &[(Vec<Value>, Value)], adversaries: &[String], modes
             .unwrap_or_default();
         for (k, adversary) in adversaries.iter().enumerate() {
             assert!(
-                pairings[k] >= ban_after,
+                pairings[k] >= bans_at(modes[k]),
                 "{node} met {:?} in only {} poisoned rounds",
                 modes[k],
                 pairings[k]

@@ -22,6 +22,12 @@ use std::sync::Arc;
 /// not all begin from the run's seed anchor (in a node there is one volunteer a process).
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// The default manifest's `[outer]` on two-peer: overlapped rounds (delayed) in five
+/// fragments, each payload a fifth of the model.
+fn default_run_text(gate: &str) -> String {
+    format!("{TINY_RUN}\n[outer]\ntopology = \"two-peer\"\n{gate}")
+}
+
 /// Blocking rounds of the whole model: each payload is every tensor of the model.
 fn run_text(gate: &str) -> String {
     format!(
@@ -30,7 +36,11 @@ fn run_text(gate: &str) -> String {
 }
 
 fn volunteer(dir: &Path, name: &str, gate: &str) -> Volunteer {
-    start_volunteer(&dir.join(name), &run_text(gate), 0)
+    volunteer_with(dir, name, &run_text(gate))
+}
+
+fn volunteer_with(dir: &Path, name: &str, run_text: &str) -> Volunteer {
+    start_volunteer(&dir.join(name), run_text, 0)
 }
 
 async fn train(v: &mut Volunteer) -> TensorSet {
@@ -60,6 +70,39 @@ fn with_floats(set: &TensorSet, name: &str, f: impl Fn(usize, f32) -> f32) -> Te
         .flat_map(|(i, v)| f(i, *v).to_le_bytes())
         .collect();
     set
+}
+
+/// Two volunteers of `run_text` with one peer id (so one data stream), each trained through
+/// round 0, and the payload they both sent.
+async fn trained_twins(dir: &Path, run_text: &str) -> (Volunteer, Volunteer, TensorSet) {
+    let me = PeerId::random();
+    let start = |name: &str| {
+        let mut options = volunteer_options(&dir.join(name), run_text, 0);
+        options.peer = me;
+        Volunteer::start(options).unwrap()
+    };
+    let (mut a, mut twin) = (start("a"), start("twin"));
+    let own = train(&mut a).await;
+    assert_eq!(
+        train(&mut twin).await,
+        own,
+        "the twin trains the same model"
+    );
+    (a, twin, own)
+}
+
+/// Round 0 of a one-peer pair, `peer`'s payload `tensors` arrived; the state asked for.
+fn one_payload(peer: PeerId, tensors: &TensorSet) -> Received {
+    Received {
+        round: 0,
+        mixing: MixingRow::uniform(0, &[1]),
+        payloads: vec![Arrived {
+            index: 1,
+            peer,
+            tensors: tensors.clone(),
+        }],
+        want_state: true,
+    }
 }
 
 /// Screens `sent` by `receiver` and returns each verdict's kind (`ok` when accepted).
@@ -124,20 +167,7 @@ async fn the_gate_takes_an_honest_model_and_refuses_poisoned_ones_by_name() {
 async fn the_outer_step_mixes_the_model_the_gate_decoded_bit_for_bit() {
     let _serial = ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    // The same peer id: the same data stream.
-    let me = PeerId::random();
-    let start = |name: &str| {
-        let mut options = volunteer_options(&dir.path().join(name), &run_text(""), 0);
-        options.peer = me;
-        Volunteer::start(options).unwrap()
-    };
-    let (mut a, mut twin) = (start("a"), start("twin"));
-    let own = train(&mut a).await;
-    assert_eq!(
-        train(&mut twin).await,
-        own,
-        "the twin trains the same model"
-    );
+    let (mut a, mut twin, own) = trained_twins(dir.path(), &run_text("")).await;
     let sent = with_floats(&own, "model.norm.weight", |_, v| v * 1.01);
     let peer = PeerId::random();
     let candidates = vec![Candidate {
@@ -146,18 +176,10 @@ async fn the_outer_step_mixes_the_model_the_gate_decoded_bit_for_bit() {
     }];
     let screened = a.screen(0, candidates).await.unwrap();
     assert!(screened[0].verdict.is_ok(), "{:?}", screened[0].verdict);
-    let received = || Received {
-        round: 0,
-        mixing: MixingRow::uniform(0, &[1]),
-        payloads: vec![Arrived {
-            index: 1,
-            peer,
-            tensors: sent.clone(),
-        }],
-        want_state: true,
-    };
-    let screened_then_mixed = a.finish(received()).await.unwrap().state.unwrap();
-    let decoded_and_mixed = twin.finish(received()).await.unwrap().state.unwrap();
+    let screened_then_mixed = a.finish(one_payload(peer, &sent)).await;
+    let decoded_and_mixed = twin.finish(one_payload(peer, &sent)).await;
+    let [screened_then_mixed, decoded_and_mixed] =
+        [screened_then_mixed, decoded_and_mixed].map(|f| f.unwrap().state.unwrap());
     assert!(screened_then_mixed == decoded_and_mixed);
 }
 
@@ -168,34 +190,13 @@ async fn a_sign_flipped_pseudo_gradient_passes_the_default_gate_and_not_a_cosine
     let mut lenient = volunteer(dir.path(), "lenient", "");
     let mut strict = volunteer(dir.path(), "strict", "[gate]\nmin_cosine = 0.0\n");
     let mut sender = volunteer(dir.path(), "sender", "");
-    // Every volunteer starts from the run's seed anchor θ: flipping the sender's
-    // pseudo-gradient θ − x gives 2θ − x, of the same norm.
-    let (_, manifest) = write_manifest(dir.path(), &run_text(""));
-    let data = TokenDataset::open(&byte_data(dir.path()), 256).unwrap();
-    let seed = Trainer::new(
-        &manifest,
-        tch::Device::Cpu,
-        Arc::new(data),
-        WorkerSlot { index: 0, count: 1 },
-    )
-    .unwrap();
-    let anchor: Vec<Vec<f32>> = seed
-        .parameters()
-        .iter()
-        .map(|t| Vec::<f32>::try_from(t.flatten(0, -1)).unwrap())
-        .collect();
     let _ = train(&mut lenient).await;
     let _ = train(&mut strict).await;
     let honest = train(&mut sender).await;
-    let mut flipped = honest.clone();
-    for (t, th) in flipped.tensors.iter_mut().zip(&anchor) {
-        let x = floats(&TensorSet::new(vec![t.clone()]), &t.name);
-        t.data = x
-            .iter()
-            .zip(th.iter())
-            .flat_map(|(x, th)| (2.0 * th - x).to_le_bytes())
-            .collect();
-    }
+    // Every volunteer starts from the run's seed anchor θ: flipping the sender's
+    // pseudo-gradient θ − x gives 2θ − x, of the same norm.
+    let anchor = seed_anchor(&dir.path().join("seed"), &run_text(""), &honest);
+    let flipped = flipped_by(&honest, &anchor, 1.0);
     assert_eq!(anchor.len(), flipped.tensors.len());
     let got = verdicts(&mut lenient, vec![honest.clone(), flipped.clone()]).await;
     assert_eq!(got, ["ok", "ok"], "min_cosine = -1 (the default) is off");
@@ -298,4 +299,113 @@ async fn a_lordo_payload_is_screened_as_the_model_it_stands_for_and_another_rank
         matches!(refused, ExchangeError::TableMismatch(_)),
         "{refused}"
     );
+}
+
+/// The seed anchor's values of the tensors of `set` (by name): what every volunteer of
+/// `run_text` starts from.
+fn seed_anchor(dir: &Path, run_text: &str, set: &TensorSet) -> Vec<Vec<f32>> {
+    std::fs::create_dir_all(dir).unwrap();
+    let (_, manifest) = write_manifest(dir, run_text);
+    let data = TokenDataset::open(&byte_data(dir), 256).unwrap();
+    let seed = Trainer::new(
+        &manifest,
+        tch::Device::Cpu,
+        Arc::new(data),
+        WorkerSlot { index: 0, count: 1 },
+    )
+    .unwrap();
+    let names = seed.parameter_names();
+    let params = seed.parameters();
+    set.tensors
+        .iter()
+        .map(|t| {
+            let k = names.iter().position(|n| *n == t.name).unwrap();
+            Vec::<f32>::try_from(params[k].flatten(0, -1)).unwrap()
+        })
+        .collect()
+}
+
+/// `θ + k·(θ − x)` tensor by tensor: the pseudo-gradient sign-flipped and `k` times as long.
+fn flipped_by(set: &TensorSet, anchor: &[Vec<f32>], k: f32) -> TensorSet {
+    let mut out = set.clone();
+    for (t, th) in out.tensors.iter_mut().zip(anchor) {
+        let x = floats(&TensorSet::new(vec![t.clone()]), &t.name);
+        t.data = x
+            .iter()
+            .zip(th)
+            .flat_map(|(x, th)| (th + k * (th - x)).to_le_bytes())
+            .collect();
+    }
+    out
+}
+
+/// The regression of the default overlap: a fragment whose distance lies inside the bound but
+/// that makes the model worse is refused by what it does (`harmful`), an honest one is not;
+/// and screening (which swaps each candidate into the model in training and back) leaves the
+/// node bit for bit where a twin that never screened is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_the_default_overlap_a_fragment_inside_the_distance_bound_that_harms_the_model_is_refused(
+) {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (mut a, mut twin, _) = trained_twins(dir.path(), &default_run_text("")).await;
+    let mut b = volunteer_with(dir.path(), "b", &default_run_text(""));
+    let honest = train(&mut b).await;
+    let fragment_tensors = a.payload_tables().for_round(0).len();
+    assert_eq!(
+        honest.tensors.len(),
+        fragment_tensors,
+        "a fifth of the model"
+    );
+    assert!(fragment_tensors < a.payload_tables().by_fragment.iter().map(|t| t.len()).sum());
+
+    let anchor = seed_anchor(&dir.path().join("seed"), &default_run_text(""), &honest);
+    let harmful = flipped_by(&honest, &anchor, 4.0);
+    let candidates = vec![
+        Candidate {
+            peer: PeerId::random(),
+            tensors: honest.clone(),
+        },
+        Candidate {
+            peer: PeerId::random(),
+            tensors: harmful,
+        },
+    ];
+    let screened = a.screen(0, candidates).await.unwrap();
+    let kinds: Vec<&str> = screened
+        .iter()
+        .map(|s| s.verdict.as_ref().map_or_else(|r| r.kind(), |_| "ok"))
+        .collect();
+    assert_eq!(kinds, ["ok", "harmful"], "{:?}", screened[1].verdict);
+    let ratio = gasloc_proto::manifest::GateConfig::default().max_distance_ratio;
+    for s in &screened {
+        let reading = s.reading.as_ref().unwrap();
+        assert!(
+            reading.distance <= ratio * reading.reference,
+            "inside the distance bound: {reading:?}"
+        );
+        let (loss, reference) = (reading.loss.unwrap(), reading.loss_reference.unwrap());
+        eprintln!(
+            "{:?}: loss {loss:.4} against {reference:.4}",
+            s.verdict.as_ref().err().map(|r| r.kind())
+        );
+    }
+    let reason = screened[1].verdict.as_ref().unwrap_err().to_string();
+    assert!(reason.contains("max_loss_increase"), "{reason}");
+
+    // The twin finishes the same round with the honest payload, never having screened.
+    let peer = screened[0].candidate.peer;
+    let screened_then_mixed = a.finish(one_payload(peer, &honest)).await;
+    let mixed = twin.finish(one_payload(peer, &honest)).await;
+    let [screened_then_mixed, mixed] =
+        [screened_then_mixed, mixed].map(|f| f.unwrap().state.unwrap());
+    assert!(screened_then_mixed == mixed);
+    // And the models in training too: the next round trains to the same payload.
+    let next = |round| TrainOrder {
+        round,
+        deadline: TrainDeadline::new(unix_ms() + 60_000),
+    };
+    let a1 = a.train(next(1)).await.unwrap().payload;
+    let twin1 = twin.train(next(1)).await.unwrap().payload;
+    assert!(a1 == twin1);
 }

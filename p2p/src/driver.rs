@@ -342,6 +342,7 @@ impl RoundDriver {
                                     kind: "banned".into(),
                                     reason: reason.into(),
                                     bytes: 0,
+                                    gross: false,
                                 })
                             }));
                             Input::Exchanged { round, outcomes }
@@ -396,22 +397,26 @@ impl RoundDriver {
         let in_round = record
             .refused
             .iter()
-            .map(|r| (r.peer.as_str(), r.kind.as_str()))
+            .map(|r| (r.peer.as_str(), r.kind.as_str(), r.gross))
             .chain(
                 record
                     .withheld
                     .iter()
-                    .map(|p| (p.as_str(), "withheld_reveal")),
+                    .map(|p| (p.as_str(), "withheld_reveal", false)),
             )
-            .filter_map(|(peer, kind)| Some((peer.parse::<PeerId>().ok()?, kind)));
+            .filter_map(|(peer, kind, gross)| Some((peer.parse::<PeerId>().ok()?, kind, gross)));
         let posted = self.options.offences.take();
         let offences = in_round
-            .chain(posted.iter().map(|&(peer, kind)| (peer, kind)))
-            .filter(|(_, kind)| is_offence(kind));
+            .chain(posted.iter().map(|&(peer, kind)| (peer, kind, false)))
+            .filter(|(_, kind, _)| is_offence(kind));
         let mut offenders = Vec::new();
         let mut banned = false;
-        for (peer, kind) in offences {
-            match standing.offend(peer, round, kind) {
+        for (peer, kind, gross) in offences {
+            let offended = match gross {
+                true => standing.offend_grossly(peer, round, kind),
+                false => standing.offend(peer, round, kind),
+            };
+            match offended {
                 Some(ban) => {
                     tracing::warn!(
                         round,
@@ -548,6 +553,7 @@ fn outcome_of(
                 kind: kind.into(),
                 reason: e.to_string(),
                 bytes: 0,
+                gross: false,
             },
             None => Outcome::Failed(e.to_string()),
         },
@@ -622,6 +628,7 @@ fn screen(work: &mut dyn RoundWork, round: u64, mut results: ExchangeResults) ->
                             kind: refusal.kind().into(),
                             reason: refusal.to_string(),
                             bytes: candidate.tensors.byte_length(),
+                            gross: refusal.is_gross(),
                         },
                     ));
                     *result = Err(ExchangeError::Cancelled(refusal.to_string()));

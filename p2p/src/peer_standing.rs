@@ -8,7 +8,9 @@
 //! shard bytes that do not hash to the manifest's digest (`bad_shard`); a
 //! timeout, a busy partner or a disagreement about who is a neighbour is not (an honest
 //! peer on a bad link does those). After `[gate] ban_after_offences` offences within
-//! `[gate] ban_window_rounds` rounds the peer is banned for the rest of the run.
+//! `[gate] ban_window_rounds` rounds the peer is banned for the rest of the run; a gross
+//! offence (a payload that is garbage beyond doubt, `gasloc_proto::gate::Refusal::is_gross`)
+//! bans it at once.
 //!
 //! The standing of a peer is also its gossipsub application score ([`PeerStanding::score`]):
 //! minus one per offence in the window, [`BANNED_SCORE`] once banned.
@@ -33,6 +35,7 @@ pub const OFFENCES: &[&str] = &[
     "non_finite",
     "too_far",
     "misaligned",
+    "harmful",
     "malformed",
     "table_mismatch",
     "too_large",
@@ -113,6 +116,17 @@ impl PeerStanding {
     /// Records that `peer` committed offence `kind` in `round` (a kind that is no offence
     /// is ignored). Returns the ban when this offence makes it.
     pub fn offend(&mut self, peer: PeerId, round: u64, kind: &str) -> Option<Ban> {
+        self.record(peer, round, kind, false)
+    }
+
+    /// Records a gross offence (garbage beyond doubt: the payload gate's
+    /// `Refusal::is_gross`), which bans `peer` at once, whatever its offences before (unless
+    /// bans are off, `ban_after_offences = 0`: then it counts as one).
+    pub fn offend_grossly(&mut self, peer: PeerId, round: u64, kind: &str) -> Option<Ban> {
+        self.record(peer, round, kind, true)
+    }
+
+    fn record(&mut self, peer: PeerId, round: u64, kind: &str, gross: bool) -> Option<Ban> {
         if !is_offence(kind) || self.is_banned(&peer) {
             return None;
         }
@@ -122,7 +136,8 @@ impl PeerStanding {
         while recent.front().is_some_and(|(r, _)| r + window <= round) {
             recent.pop_front();
         }
-        if self.offences_to_ban == 0 || recent.len() < self.offences_to_ban as usize {
+        let enough = recent.len() >= self.offences_to_ban as usize;
+        if self.offences_to_ban == 0 || !(gross || enough) {
             return None;
         }
         let ban = Ban {
@@ -277,7 +292,24 @@ mod tests {
         for round in 0..20 {
             assert!(s.offend(peer, round, "too_far").is_none());
         }
-        assert_eq!(s.score(&peer, 19), -10.0);
+        assert!(s.offend_grossly(peer, 20, "non_finite").is_none());
+        assert_eq!(s.score(&peer, 20), -10.0);
+    }
+
+    #[test]
+    fn one_gross_offence_bans_at_once_and_counts_with_those_before() {
+        let peer = PeerId::random();
+        let mut s = standing(3, 10);
+        assert!(s.offend(peer, 1, "harmful").is_none());
+        let ban = s
+            .offend_grossly(peer, 2, "too_far")
+            .expect("garbage beyond doubt bans at its first");
+        assert_eq!(ban.offences, ["1:harmful", "2:too_far"]);
+        assert!(s.is_banned(&peer));
+        // A kind that is no offence is none, gross or not.
+        let other = PeerId::random();
+        assert!(s.offend_grossly(other, 3, "timeout").is_none());
+        assert!(!s.is_banned(&other));
     }
 
     #[test]

@@ -148,6 +148,9 @@ pub enum Outcome {
         kind: String,
         reason: String,
         bytes: u64,
+        /// Garbage beyond doubt (the payload gate's `Refusal::is_gross`): one such offence
+        /// bans the peer.
+        gross: bool,
     },
     /// No payload: a timeout, a lost stream, or the peer refused this node's.
     Failed(String),
@@ -814,6 +817,7 @@ impl RoundMachine {
                     kind,
                     reason,
                     bytes,
+                    gross,
                 } => {
                     bytes_received += bytes;
                     // A complete swap: this node's payload went out too.
@@ -822,6 +826,7 @@ impl RoundMachine {
                         peer: peer.to_string(),
                         kind: kind.clone(),
                         reason: reason.clone(),
+                        gross: *gross,
                     })
                 }
                 Outcome::Failed(why) => failed.push((peer.to_string(), why.clone())),
@@ -1206,6 +1211,7 @@ mod tests {
                         kind: "too_far".into(),
                         reason: "gate: too_far".into(),
                         bytes: 0,
+                        gross: false,
                     },
                 )],
             },
@@ -1229,6 +1235,7 @@ mod tests {
                 peer: neighbours[0].to_string(),
                 kind: "too_far".into(),
                 reason: "gate: too_far".into(),
+                gross: false,
             }]
         );
         assert_eq!(record.failed.len(), 1, "no outcome counts as failed");

@@ -83,11 +83,45 @@ pub struct SyncedState {
     /// The largest `‖θ_a − θ_b‖ / min(‖θ_a‖, ‖θ_b‖)` between the anchors of two kept
     /// sources (0 for one).
     pub disagreement: f64,
-    /// `‖θ_k − θ_start‖` of each kept source's anchor from the anchor the joiner starts from
-    /// (one source: none): how far apart the swarm's anchors lie, so how far an honest
-    /// neighbour's model will lie from this node's. The joiner's payload gate starts its
-    /// window from them ([`RoundWork::load_state`](crate::work::RoundWork::load_state)).
-    pub spread: Vec<f64>,
+    /// How far each kept source's anchor lies from the anchor the joiner starts from (one
+    /// source: none), tensor by tensor: how far apart the swarm's anchors lie, so how far an
+    /// honest neighbour's model will lie from this node's. The joiner's payload gate starts
+    /// its windows from them, fragment by fragment
+    /// ([`RoundWork::load_state`](crate::work::RoundWork::load_state)).
+    pub spread: AnchorSpread,
+}
+
+/// How far each kept source's anchor lies from the state a joiner starts from, tensor by
+/// tensor: `by_source[s][k] = ‖θ_s,k − θ_start,k‖` over the k-th anchor tensor (the state's
+/// anchor tensors in order, so the model's parameters in order).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AnchorSpread {
+    pub by_source: Vec<Vec<f64>>,
+}
+
+impl AnchorSpread {
+    /// Each source's distance over the tensors `members` (indices among the anchor's).
+    pub fn over(&self, members: &[usize]) -> Vec<f64> {
+        self.by_source
+            .iter()
+            .map(|d| {
+                members
+                    .iter()
+                    .filter_map(|&k| d.get(k))
+                    .map(|x| x * x)
+                    .sum::<f64>()
+                    .sqrt()
+            })
+            .collect()
+    }
+
+    /// Each source's distance over its whole anchor.
+    pub fn whole(&self) -> Vec<f64> {
+        self.by_source
+            .iter()
+            .map(|d| d.iter().map(|x| x * x).sum::<f64>().sqrt())
+            .collect()
+    }
 }
 
 impl SyncedState {
@@ -125,10 +159,9 @@ struct Judged {
     /// With three sources or more, `‖θ_i − θ_median‖ / ‖θ_median‖`, the measure they are
     /// judged by.
     to_median: Option<Vec<f64>>,
-    /// With three sources or more, their coordinate-wise median and each one's anchor
-    /// distance to it, `‖θ_i − θ_median‖`: when every source is kept, the state the joiner
-    /// starts from and its spread, not computed twice.
-    median: Option<(TensorSet, Vec<f64>)>,
+    /// With three sources or more, their coordinate-wise median: when every source is kept,
+    /// the state the joiner starts from, not computed twice.
+    median: Option<TensorSet>,
     fetched: Vec<FetchedState>,
 }
 
@@ -190,7 +223,7 @@ async fn judge_fetched(gate: GateConfig, fetched: Vec<FetchedState>) -> anyhow::
                         to_median_relative =
                             Some(to_median.iter().map(|d| d / median_norm).collect());
                         let verdict = judge_against_median(&gate, median_norm, &to_median);
-                        median_of_all = Some((median, to_median));
+                        median_of_all = Some(median);
                         verdict
                     }
                     None => StateVerdict::Split,
@@ -230,26 +263,17 @@ fn split_error(fetched: &[FetchedState], gate: &GateConfig) -> String {
 async fn start_state_of(
     mut fetched: Vec<FetchedState>,
     kept: Vec<usize>,
-    median_of_all: Option<(TensorSet, Vec<f64>)>,
+    median_of_all: Option<TensorSet>,
     refused: Vec<RefusedPayload>,
     disagreement: f64,
 ) -> anyhow::Result<SyncedState> {
     tokio::task::spawn_blocking(move || {
         let round = kept.iter().map(|&i| fetched[i].round).max().unwrap_or(0);
         let sources = kept.iter().map(|&i| fetched[i].peer).collect();
-        if let Some((state, to_median)) = median_of_all {
-            if kept.len() == fetched.len() && kept.len() >= 3 {
-                return Ok(SyncedState {
-                    round,
-                    state,
-                    sources,
-                    refused,
-                    disagreement,
-                    spread: kept.iter().map(|&i| to_median[i]).collect(),
-                });
-            }
-        }
-        let state = if let [only] = kept[..] {
+        let every_source_kept = kept.len() == fetched.len() && kept.len() >= 3;
+        let state = if let (true, Some(median)) = (every_source_kept, median_of_all) {
+            median
+        } else if let [only] = kept[..] {
             fetched.swap_remove(only).state
         } else if kept.len() >= 3 {
             let sets: Vec<&TensorSet> = kept.iter().map(|&i| &fetched[i].state).collect();
@@ -271,12 +295,14 @@ async fn start_state_of(
             TensorSet::mean(&sets)
                 .ok_or_else(|| anyhow!("state sync: the kept states' tables differ"))?
         };
-        let spread = if kept.len() >= 2 {
-            kept.iter()
-                .filter_map(|&i| fetched[i].state.distance_where(&state, is_anchor))
-                .collect()
-        } else {
-            Vec::new()
+        let spread = AnchorSpread {
+            by_source: if kept.len() >= 2 {
+                kept.iter()
+                    .filter_map(|&i| fetched[i].state.distances_by_tensor_where(&state, is_anchor))
+                    .collect()
+            } else {
+                Vec::new()
+            },
         };
         Ok(SyncedState {
             round,
@@ -297,6 +323,7 @@ fn refuse_state(peer: PeerId, kind: &str, reason: String) -> RefusedPayload {
         peer: peer.to_string(),
         kind: kind.into(),
         reason,
+        gross: false,
     }
 }
 

@@ -4,7 +4,9 @@
 //! payload of the round it last finished.
 
 use crate::tensors::{TensorSet, TensorSpec};
-use crate::work::{Finished, PayloadTables, Received, RoundWork, TrainOrder, Trained, WorkFuture};
+use crate::work::{
+    AnchorSpread, Finished, PayloadTables, Received, RoundWork, TrainOrder, Trained, WorkFuture,
+};
 use libp2p::PeerId;
 use sha2::{Digest, Sha256};
 use std::time::Duration;
@@ -112,7 +114,12 @@ impl RoundWork for SyntheticTrainer {
         })
     }
 
-    fn load_state(&mut self, _round: u64, _state: TensorSet, _spread: Vec<f64>) -> WorkFuture<()> {
+    fn load_state(
+        &mut self,
+        _round: u64,
+        _state: TensorSet,
+        _spread: AnchorSpread,
+    ) -> WorkFuture<()> {
         Box::pin(async { Ok(()) })
     }
 

@@ -165,10 +165,25 @@ impl TensorSet {
     /// `‖self − other‖` over the floating-point tensors `part` picks; `None` when the two
     /// tables differ.
     pub fn distance_where(&self, other: &TensorSet, part: impl Fn(&Tensor) -> bool) -> Option<f64> {
+        let squared: f64 = self
+            .distances_by_tensor_where(other, part)?
+            .iter()
+            .map(|d| d * d)
+            .sum();
+        Some(squared.sqrt())
+    }
+
+    /// `‖self_k − other_k‖` of each floating-point tensor `part` picks, in order; `None` when
+    /// the two tables differ.
+    pub fn distances_by_tensor_where(
+        &self,
+        other: &TensorSet,
+        part: impl Fn(&Tensor) -> bool,
+    ) -> Option<Vec<f64>> {
         if self.specs() != other.specs() {
             return None;
         }
-        let mut sum = 0.0f64;
+        let mut distances = Vec::new();
         for (a, b) in self
             .tensors
             .iter()
@@ -176,7 +191,7 @@ impl TensorSet {
             .filter(|(a, _)| part(a))
         {
             if let (Some(a), Some(b)) = (a.floats(), b.floats()) {
-                sum += a
+                let squared = a
                     .iter()
                     .zip(&b)
                     .map(|(x, y)| {
@@ -184,9 +199,10 @@ impl TensorSet {
                         d * d
                     })
                     .sum::<f64>();
+                distances.push(squared.sqrt());
             }
         }
-        Some(sum.sqrt())
+        Some(distances)
     }
 
     /// Multiplies the floating-point tensors `part` picks by `factor`, in their dtypes.

@@ -13,6 +13,7 @@
 //! [`SyntheticTrainer`]: crate::synthetic::SyntheticTrainer
 
 use crate::round_machine::PayloadBytes;
+pub use crate::swarm_node::AnchorSpread;
 use crate::tensors::{TensorSet, TensorSpec};
 use gasloc_proto::fragments::fragment_of_round;
 use gasloc_proto::gate::Refusal;
@@ -223,8 +224,8 @@ pub trait RoundWork: Send + Sync {
     /// Replaces the state with one fetched from live peers (late join); `round` is the
     /// round it was published for, `spread` the distances of the sources' anchors from it
     /// ([`SyncedState::spread`](crate::swarm_node::SyncedState::spread)): where the payload
-    /// gate's window of accepted distances starts.
-    fn load_state(&mut self, round: u64, state: TensorSet, spread: Vec<f64>) -> WorkFuture<()>;
+    /// gate's windows of accepted distances start.
+    fn load_state(&mut self, round: u64, state: TensorSet, spread: AnchorSpread) -> WorkFuture<()>;
     /// Leaving the swarm: persist what a restart needs (a checkpoint of the last anchor).
     fn close(&mut self) -> WorkFuture<()>;
 }

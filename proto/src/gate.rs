@@ -15,7 +15,24 @@
 //!    payloads is one an attacker cannot inflate without first being accepted. With no
 //!    reference yet (no own step and nothing accepted) the bound is not applied;
 //! 3. the cosine at least `[gate] min_cosine` (−1, the default, turns it off), else
-//!    [`Refusal::Misaligned`].
+//!    [`Refusal::Misaligned`];
+//! 4. the functional check ([`LossReading`]): what the payload does to this node's model, not
+//!    how far it lies. The trainer evaluates, on a held-out batch of its own (`[gate]
+//!    check_sequences` validation sequences, another slice each round), its model in training
+//!    with the round's fragment set three ways: its own payload `x_i` (`own`), the anchor the
+//!    round started from `θ_i` (`anchor`), and the neighbour's payload `x_j` swapped in
+//!    (`theirs`: the payload at full weight, more than any mix gives it). The payload is
+//!    refused as [`Refusal::Harmful`] when `theirs > max(own, anchor) + [gate]
+//!    max_loss_increase`. An honest neighbour's model has trained from an anchor near this
+//!    node's, so it is no worse than the round's start; the larger of the two references keeps
+//!    an honest slow peer, whose fragment has trained less than this node's, from being
+//!    refused. A sign-flipped pseudo-gradient `θ + Δ` climbs where honest training descends:
+//!    it is refused while a round's progress exceeds the bound.
+//!
+//! Distances are kept per fragment (`[outer] fragments`): each fragment has its own window of
+//! accepted distances and is judged against it and against this node's own pseudo-gradient
+//! *of that fragment*, so a fragment of a fifth of the model is never measured against a
+//! median of other fragments' or of whole-model distances.
 //!
 //! A refused payload is mixed as missing, the round engine's rule: its weight returns to self,
 //! or on the complete topology is spread over the members that arrived
@@ -39,6 +56,42 @@ pub struct PayloadStats {
     pub distance: f64,
     /// `cos(θ_i − x_j, θ_i − x_i)`; `None` when either vector is zero.
     pub cosine: Option<f64>,
+    /// The functional check's losses; `None` when it did not run (`check_sequences = 0`, no
+    /// validation data, or a payload already found non-finite).
+    pub loss: Option<LossReading>,
+}
+
+/// The functional check's three losses of this node's model in training on one held-out
+/// batch, the round's fragment set to: this node's own payload `x_i`, the anchor the round
+/// started from `θ_i`, and the neighbour's payload `x_j`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LossReading {
+    pub own: f64,
+    pub anchor: f64,
+    pub theirs: f64,
+}
+
+impl LossReading {
+    /// What the mix is held against: the larger of the finite `own` and `anchor` (NaN when
+    /// neither is finite: this node's own model cannot be judged by, and nothing is).
+    pub fn reference(&self) -> f64 {
+        match (self.own.is_finite(), self.anchor.is_finite()) {
+            (true, true) => self.own.max(self.anchor),
+            (true, false) => self.own,
+            (false, true) => self.anchor,
+            (false, false) => f64::NAN,
+        }
+    }
+
+    /// `theirs − reference`: how much the payload raises the loss (∞ where its loss is not
+    /// finite).
+    pub fn increase(&self) -> f64 {
+        if self.theirs.is_finite() {
+            self.theirs - self.reference()
+        } else {
+            f64::INFINITY
+        }
+    }
 }
 
 /// Why the gate turned a payload down.
@@ -62,9 +115,44 @@ pub enum Refusal {
         cosine: f64,
         floor: f64,
     },
+    /// The functional check: this node's model with the payload swapped in has a loss on a
+    /// held-out batch more than `[gate] max_loss_increase` over the reference.
+    Harmful {
+        loss: f64,
+        reference: f64,
+        bound: f64,
+    },
 }
 
+/// How far beyond its bound a refused payload must lie to be gross: not an honest model on a
+/// bad day but no model at all (see [`Refusal::is_gross`]).
+pub const GROSS_FACTOR: f64 = 10.0;
+
 impl Refusal {
+    /// Whether the payload is garbage beyond doubt, so that one such offence bans its sender
+    /// (`PeerStanding`): a NaN or an infinity (an honest trainer stops at a non-finite loss
+    /// before it sends), a distance more than [`GROSS_FACTOR`] times the bound, or a loss
+    /// increase more than [`GROSS_FACTOR`] times `max_loss_increase` (or not finite). Honest
+    /// peers in the swarm tests lie within 2.1 × the distance reference (the bound is 10 ×)
+    /// and raise the loss by at most 0.18 nats (the bound is 0.3).
+    pub fn is_gross(&self) -> bool {
+        match self {
+            Refusal::NonFinite { .. } => true,
+            Refusal::TooFar {
+                distance, bound, ..
+            } => !distance.is_finite() || (*bound > 0.0 && *distance > GROSS_FACTOR * bound),
+            Refusal::Harmful {
+                loss,
+                reference,
+                bound,
+            } => {
+                let increase = loss - reference;
+                !increase.is_finite() || (*bound > 0.0 && increase > GROSS_FACTOR * bound)
+            }
+            Refusal::Malformed { .. } | Refusal::Misaligned { .. } => false,
+        }
+    }
+
     /// A short name of the reason, for counters and metrics labels.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -72,6 +160,7 @@ impl Refusal {
             Refusal::NonFinite { .. } => "non_finite",
             Refusal::TooFar { .. } => "too_far",
             Refusal::Misaligned { .. } => "misaligned",
+            Refusal::Harmful { .. } => "harmful",
         }
     }
 }
@@ -102,101 +191,133 @@ impl fmt::Display for Refusal {
                 "gate: misaligned: cosine with this node's pseudo-gradient {cosine:.4} below \
                  min_cosine {floor:.4}"
             ),
+            Refusal::Harmful {
+                loss,
+                reference,
+                bound,
+            } => write!(
+                f,
+                "gate: harmful: this node's model with the payload swapped in has a loss of \
+                 {loss:.4} on a held-out batch, more than max_loss_increase {bound} above \
+                 {reference:.4} (the larger of its own and its round start's)"
+            ),
         }
     }
 }
 
 impl std::error::Error for Refusal {}
 
-/// The gate of one node: its bounds and the distances it accepted lately.
+/// The gate of one node: its bounds and, per model fragment, the distances it accepted
+/// lately.
 #[derive(Debug, Clone)]
 pub struct PayloadGate {
     config: GateConfig,
-    accepted: VecDeque<f64>,
+    /// `accepted[f]`: fragment f's window, oldest first (one window with one fragment).
+    accepted: Vec<VecDeque<f64>>,
 }
 
 impl PayloadGate {
-    pub fn new(config: GateConfig) -> Self {
+    /// A gate for a model in `fragments` fragments (at least one window is kept).
+    pub fn new(config: GateConfig, fragments: usize) -> Self {
         PayloadGate {
             config,
-            accepted: VecDeque::new(),
+            accepted: vec![VecDeque::new(); fragments.max(1)],
         }
     }
 
-    /// A gate whose window starts from `distances` (oldest first; the last
-    /// `median_window` finite, positive ones are kept): the window a restarted node saved in
-    /// its checkpoint, or the distances between the anchors a joiner synced from. Without
-    /// them a node's only reference is its own pseudo-gradient, which after a restart (the
-    /// inner optimizer's moments kept, short steps) is many times shorter than the distance
-    /// to an honest neighbour — whose anchor differs from this node's by the swarm's spread
-    /// (measured in the compose test: own 1.1–1.5 against neighbours at 10–15).
-    pub fn with_accepted(config: GateConfig, distances: impl IntoIterator<Item = f64>) -> Self {
-        let mut gate = PayloadGate::new(config);
-        gate.restart_window(distances);
+    /// A gate whose windows start from `windows[f]` (oldest first; the last `median_window`
+    /// finite, positive ones are kept; a missing or empty one stays empty): the windows a
+    /// restarted node saved in its checkpoint, or the distances between the anchors a
+    /// joiner synced from. Without them a node's only reference is its own
+    /// pseudo-gradient, which after a restart (the inner optimizer's moments kept, short
+    /// steps) is many times shorter than the distance to an honest neighbour — whose anchor
+    /// differs from this node's by the swarm's spread (measured in the compose test: own
+    /// 1.1–1.5 against neighbours at 10–15).
+    pub fn with_accepted(config: GateConfig, fragments: usize, windows: Vec<Vec<f64>>) -> Self {
+        let mut gate = PayloadGate::new(config, fragments);
+        gate.restart_windows(windows);
         gate
     }
 
-    /// Replaces the window with `distances` (as [`Self::with_accepted`] keeps them) when any
-    /// of them is kept; otherwise the window stays as it was. Returns whether it changed.
-    pub fn restart_window(&mut self, distances: impl IntoIterator<Item = f64>) -> bool {
-        let kept: VecDeque<f64> = distances
-            .into_iter()
-            .filter(|d| d.is_finite() && *d > 0.0)
-            .collect();
-        if kept.is_empty() {
-            return false;
+    /// Replaces fragment f's window with `windows[f]` (as [`Self::with_accepted`] keeps them)
+    /// wherever any of them is kept; the other windows stay as they were. Returns whether any
+    /// changed.
+    pub fn restart_windows(&mut self, windows: Vec<Vec<f64>>) -> bool {
+        let mut changed = false;
+        for (window, distances) in self.accepted.iter_mut().zip(windows) {
+            let kept: VecDeque<f64> = distances
+                .into_iter()
+                .filter(|d| d.is_finite() && *d > 0.0)
+                .collect();
+            if !kept.is_empty() {
+                *window = kept;
+                changed = true;
+            }
         }
-        self.accepted = kept;
         self.trim();
-        true
+        changed
     }
 
-    /// The accepted distances in the window, oldest first (what a checkpoint keeps).
-    pub fn accepted(&self) -> Vec<f64> {
-        self.accepted.iter().copied().collect()
+    /// Each fragment's accepted distances, oldest first (what a checkpoint keeps).
+    pub fn accepted(&self) -> Vec<Vec<f64>> {
+        self.accepted
+            .iter()
+            .map(|w| w.iter().copied().collect())
+            .collect()
     }
 
     fn trim(&mut self) {
-        let window = self.config.median_window.max(1) as usize;
-        while self.accepted.len() > window {
-            self.accepted.pop_front();
+        let size = self.config.median_window.max(1) as usize;
+        for window in &mut self.accepted {
+            while window.len() > size {
+                window.pop_front();
+            }
         }
     }
 
-    /// The (lower) median of the accepted distances in the window (`None` before any).
-    pub fn accepted_median(&self) -> Option<f64> {
-        if self.accepted.is_empty() {
+    fn window(&self, fragment: usize) -> &VecDeque<f64> {
+        &self.accepted[fragment.min(self.accepted.len() - 1)]
+    }
+
+    /// The (lower) median of fragment `fragment`'s accepted distances (`None` before any).
+    pub fn accepted_median(&self, fragment: usize) -> Option<f64> {
+        let window = self.window(fragment);
+        if window.is_empty() {
             return None;
         }
-        let mut sorted: Vec<f64> = self.accepted.iter().copied().collect();
+        let mut sorted: Vec<f64> = window.iter().copied().collect();
         sorted.sort_by(f64::total_cmp);
         let n = sorted.len();
         // The lower median: an attacker holding half of the window cannot raise it.
         Some(sorted[(n - 1) / 2])
     }
 
-    /// The reference distance a payload is measured against this round:
-    /// `max(‖θ_i − x_i‖, median of the accepted)`.
-    pub fn reference(&self, own_distance: f64) -> f64 {
-        own_distance.max(self.accepted_median().unwrap_or(0.0))
+    /// The reference distance a payload of fragment `fragment` is measured against this
+    /// round: `max(‖θ_i − x_i‖, median of the fragment's accepted)`.
+    pub fn reference(&self, fragment: usize, own_distance: f64) -> f64 {
+        own_distance.max(self.accepted_median(fragment).unwrap_or(0.0))
     }
 
-    /// Judges the round's payloads, `own_distance` being `‖θ_i − x_i‖`. Every payload is
-    /// judged against the window as it stood before the round, so their order does not
-    /// matter; the accepted ones then enter the window.
+    /// Judges the round's payloads of fragment `fragment`, `own_distance` being this node's
+    /// `‖θ_i − x_i‖` over the same fragment. Every payload is judged against the window as it
+    /// stood before the round, so their order does not matter; the accepted ones then enter
+    /// the fragment's window.
     pub fn judge_round(
         &mut self,
+        fragment: usize,
         own_distance: f64,
         payloads: &[PayloadStats],
     ) -> Vec<Result<(), Refusal>> {
-        let median = self.accepted_median();
+        let median = self.accepted_median(fragment);
         let verdicts: Vec<_> = payloads
             .iter()
             .map(|stats| self.judge(own_distance, median, stats))
             .collect();
+        let last = self.accepted.len() - 1;
+        let window = &mut self.accepted[fragment.min(last)];
         for (stats, verdict) in payloads.iter().zip(&verdicts) {
             if verdict.is_ok() {
-                self.accepted.push_back(stats.distance);
+                window.push_back(stats.distance);
             }
         }
         self.trim();
@@ -241,6 +362,28 @@ impl PayloadGate {
                     floor: self.config.min_cosine,
                 });
             }
+        }
+        if let Some(loss) = &stats.loss {
+            self.judge_loss(loss)?;
+        }
+        Ok(())
+    }
+
+    /// The functional check alone: refused when the loss with the payload is not finite, or
+    /// lies more than `max_loss_increase` above the reference; nothing is judged when this node's own
+    /// losses are not finite (its model, not the payload, is then what is broken).
+    pub fn judge_loss(&self, loss: &LossReading) -> Result<(), Refusal> {
+        let reference = loss.reference();
+        let bound = self.config.max_loss_increase;
+        if reference.is_nan() {
+            return Ok(());
+        }
+        if !loss.theirs.is_finite() || loss.theirs - reference > bound {
+            return Err(Refusal::Harmful {
+                loss: loss.theirs,
+                reference,
+                bound,
+            });
         }
         Ok(())
     }
@@ -340,7 +483,7 @@ mod tests {
     use super::*;
 
     fn gate() -> PayloadGate {
-        PayloadGate::new(GateConfig::default())
+        PayloadGate::new(GateConfig::default(), 1)
     }
 
     fn at(distance: f64) -> PayloadStats {
@@ -348,6 +491,7 @@ mod tests {
             non_finite: None,
             distance,
             cosine: Some(0.5),
+            loss: None,
         }
     }
 
@@ -357,7 +501,7 @@ mod tests {
             non_finite: Some("model.norm.weight".into()),
             ..at(1.0)
         };
-        let verdict = gate().judge_round(1.0, &[stats]).remove(0).unwrap_err();
+        let verdict = gate().judge_round(0, 1.0, &[stats]).remove(0).unwrap_err();
         assert_eq!(verdict.kind(), "non_finite");
         assert!(
             verdict.to_string().contains("model.norm.weight"),
@@ -368,14 +512,14 @@ mod tests {
     #[test]
     fn a_model_far_beyond_the_own_pseudo_gradient_is_refused_and_an_honest_one_is_not() {
         let k = GateConfig::default().max_distance_ratio;
-        let verdicts = gate().judge_round(2.0, &[at(2.5), at(2.0 * k), at(2.0 * k * 1.01)]);
+        let verdicts = gate().judge_round(0, 2.0, &[at(2.5), at(2.0 * k), at(2.0 * k * 1.01)]);
         assert!(verdicts[0].is_ok() && verdicts[1].is_ok());
         assert!(
             matches!(verdicts[2], Err(Refusal::TooFar { reference, .. }) if reference == 2.0),
             "{verdicts:?}"
         );
         // A NaN or infinite norm is never within a bound.
-        let verdicts = gate().judge_round(2.0, &[at(f64::NAN), at(f64::INFINITY)]);
+        let verdicts = gate().judge_round(0, 2.0, &[at(f64::NAN), at(f64::INFINITY)]);
         assert!(verdicts
             .iter()
             .all(|v| matches!(v, Err(Refusal::TooFar { .. }))));
@@ -387,12 +531,12 @@ mod tests {
         // Rounds where this node stepped normally fill the window with honest distances.
         for _ in 0..5 {
             assert!(g
-                .judge_round(3.0, &[at(3.2), at(2.9)])
+                .judge_round(0, 3.0, &[at(3.2), at(2.9)])
                 .iter()
                 .all(Result::is_ok));
         }
         // Then it takes one inner step: its own distance is tiny, the median is not.
-        let verdicts = g.judge_round(0.01, &[at(3.1), at(3.3)]);
+        let verdicts = g.judge_round(0, 0.01, &[at(3.1), at(3.3)]);
         assert!(verdicts.iter().all(Result::is_ok), "{verdicts:?}");
     }
 
@@ -404,27 +548,31 @@ mod tests {
     fn a_restarted_node_with_its_saved_window_accepts_the_neighbours_it_accepted_before() {
         let mut before = gate();
         for d in [9.0, 10.8, 12.8, 6.7, 13.6, 7.8, 6.0, 16.0, 6.9, 10.2] {
-            assert!(before.judge_round(1.3, &[at(d)])[0].is_ok());
+            assert!(before.judge_round(0, 1.3, &[at(d)])[0].is_ok());
         }
-        let fresh = gate().judge_round(1.1, &[at(12.1)]).remove(0);
+        let fresh = gate().judge_round(0, 1.1, &[at(12.1)]).remove(0);
         assert!(matches!(fresh, Err(Refusal::TooFar { .. })), "{fresh:?}");
 
-        let mut restarted = PayloadGate::with_accepted(GateConfig::default(), before.accepted());
+        let mut restarted = PayloadGate::with_accepted(GateConfig::default(), 1, before.accepted());
         assert_eq!(restarted.accepted(), before.accepted());
-        let verdicts = restarted.judge_round(1.1, &[at(12.1), at(15.2), at(15.5)]);
+        let verdicts = restarted.judge_round(0, 1.1, &[at(12.1), at(15.2), at(15.5)]);
         assert!(verdicts.iter().all(Result::is_ok), "{verdicts:?}");
         // A scaled model is refused as before.
-        let scaled = restarted.judge_round(1.1, &[at(1e4)]).remove(0);
+        let scaled = restarted.judge_round(0, 1.1, &[at(1e4)]).remove(0);
         assert!(matches!(scaled, Err(Refusal::TooFar { .. })), "{scaled:?}");
 
         let config = GateConfig {
             median_window: 3,
             ..GateConfig::default()
         };
-        let seeded = PayloadGate::with_accepted(config, [f64::NAN, 1.0, -2.0, 0.0, 2.0, 3.0, 4.0]);
+        let seeded = PayloadGate::with_accepted(
+            config,
+            1,
+            vec![vec![f64::NAN, 1.0, -2.0, 0.0, 2.0, 3.0, 4.0]],
+        );
         assert_eq!(
             seeded.accepted(),
-            [2.0, 3.0, 4.0],
+            [[2.0, 3.0, 4.0]],
             "finite, positive, the newest"
         );
     }
@@ -432,22 +580,22 @@ mod tests {
     /// A joiner whose sources were identical (no distance among them) keeps the window it had.
     #[test]
     fn a_window_restarted_from_no_distance_stays_as_it_was() {
-        let mut g = PayloadGate::with_accepted(GateConfig::default(), [4.0, 5.0]);
-        assert!(!g.restart_window([0.0, 0.0, f64::NAN]));
-        assert_eq!(g.accepted(), [4.0, 5.0]);
-        assert!(g.restart_window([0.0, 7.0]));
-        assert_eq!(g.accepted(), [7.0]);
+        let mut g = PayloadGate::with_accepted(GateConfig::default(), 1, vec![vec![4.0, 5.0]]);
+        assert!(!g.restart_windows(vec![vec![0.0, 0.0, f64::NAN]]));
+        assert_eq!(g.accepted(), [[4.0, 5.0]]);
+        assert!(g.restart_windows(vec![vec![0.0, 7.0]]));
+        assert_eq!(g.accepted(), [[7.0]]);
     }
 
     #[test]
     fn with_no_reference_yet_only_finiteness_and_the_cosine_are_checked() {
         let mut g = gate();
-        let verdicts = g.judge_round(0.0, &[at(1e6), at(f64::INFINITY), at(f64::NAN)]);
+        let verdicts = g.judge_round(0, 0.0, &[at(1e6), at(f64::INFINITY), at(f64::NAN)]);
         assert!(verdicts[0].is_ok());
         assert!(matches!(verdicts[1], Err(Refusal::TooFar { .. })));
         assert!(matches!(verdicts[2], Err(Refusal::TooFar { .. })));
         assert_eq!(
-            g.accepted_median(),
+            g.accepted_median(0),
             Some(1e6),
             "only the finite distance entered"
         );
@@ -456,8 +604,8 @@ mod tests {
     #[test]
     fn half_a_window_of_attackers_does_not_raise_the_median() {
         let mut g = gate();
-        g.judge_round(0.0, &[at(1.0), at(1.0), at(9.0), at(9.0)]);
-        assert_eq!(g.accepted_median(), Some(1.0));
+        g.judge_round(0, 0.0, &[at(1.0), at(1.0), at(9.0), at(9.0)]);
+        assert_eq!(g.accepted_median(0), Some(1.0));
     }
 
     #[test]
@@ -466,13 +614,13 @@ mod tests {
             median_window: 4,
             ..GateConfig::default()
         };
-        let mut g = PayloadGate::new(config);
-        g.judge_round(1.0, &[at(1.0), at(1e9)]);
-        assert_eq!(g.accepted_median(), Some(1.0));
+        let mut g = PayloadGate::new(config, 1);
+        g.judge_round(0, 1.0, &[at(1.0), at(1e9)]);
+        assert_eq!(g.accepted_median(0), Some(1.0));
         for d in [2.0, 3.0, 4.0, 5.0] {
-            g.judge_round(10.0, &[at(d)]);
+            g.judge_round(0, 10.0, &[at(d)]);
         }
-        assert_eq!(g.accepted_median(), Some(3.0));
+        assert_eq!(g.accepted_median(0), Some(3.0));
     }
 
     #[test]
@@ -481,22 +629,176 @@ mod tests {
             cosine: Some(-0.9),
             ..at(1.0)
         };
-        assert!(gate().judge_round(1.0, std::slice::from_ref(&flipped))[0].is_ok());
-        let mut strict = PayloadGate::new(GateConfig {
-            min_cosine: 0.0,
-            ..GateConfig::default()
-        });
-        let verdict = strict.judge_round(1.0, &[flipped]).remove(0).unwrap_err();
+        assert!(gate().judge_round(0, 1.0, std::slice::from_ref(&flipped))[0].is_ok());
+        let mut strict = PayloadGate::new(
+            GateConfig {
+                min_cosine: 0.0,
+                ..GateConfig::default()
+            },
+            1,
+        );
+        let verdict = strict
+            .judge_round(0, 1.0, &[flipped])
+            .remove(0)
+            .unwrap_err();
         assert_eq!(verdict.kind(), "misaligned");
         let nan = PayloadStats {
             cosine: Some(f64::NAN),
             ..at(1.0)
         };
-        assert!(gate().judge_round(1.0, std::slice::from_ref(&nan))[0].is_ok());
+        assert!(gate().judge_round(0, 1.0, std::slice::from_ref(&nan))[0].is_ok());
         assert!(
-            strict.judge_round(1.0, &[nan])[0].is_err(),
+            strict.judge_round(0, 1.0, &[nan])[0].is_err(),
             "NaN is no cosine"
         );
+    }
+
+    /// The regression of the default overlap: five fragments of different sizes judged
+    /// through one window. Each fragment now has its own: a fragment whose honest distances
+    /// are small is not judged against a median of larger fragments', and the other way.
+    #[test]
+    fn each_fragment_is_judged_against_its_own_window() {
+        let mut g = PayloadGate::new(GateConfig::default(), 3);
+        for _ in 0..6 {
+            assert!(g.judge_round(0, 1.0, &[at(1.0)])[0].is_ok());
+            assert!(g.judge_round(1, 100.0, &[at(100.0)])[0].is_ok());
+        }
+        assert_eq!(g.accepted_median(0), Some(1.0));
+        assert_eq!(g.accepted_median(1), Some(100.0));
+        assert_eq!(g.accepted_median(2), None);
+        // 50 is honest for fragment 1 and fifty times fragment 0's own spread: too far there.
+        assert!(g.judge_round(1, 0.1, &[at(50.0)])[0].is_ok());
+        let far = g.judge_round(0, 0.1, &[at(50.0)]).remove(0);
+        assert!(
+            matches!(far, Err(Refusal::TooFar { reference, .. }) if reference == 1.0),
+            "{far:?}"
+        );
+        // The windows survive a checkpoint's trip, each as it was.
+        let saved = g.accepted();
+        let restored = PayloadGate::with_accepted(GateConfig::default(), 3, saved.clone());
+        assert_eq!(restored.accepted(), saved);
+        // A joiner's windows start from the spread per fragment; an empty one stays empty.
+        let mut joiner = PayloadGate::new(GateConfig::default(), 3);
+        assert!(joiner.restart_windows(vec![vec![2.0], vec![], vec![3.0, 4.0]]));
+        assert_eq!(joiner.accepted(), [vec![2.0], vec![], vec![3.0, 4.0]]);
+    }
+
+    fn with_loss(own: f64, anchor: f64, theirs: f64) -> PayloadStats {
+        PayloadStats {
+            loss: Some(LossReading {
+                own,
+                anchor,
+                theirs,
+            }),
+            ..at(1.0)
+        }
+    }
+
+    #[test]
+    fn a_payload_that_raises_the_loss_beyond_the_bound_is_harmful() {
+        let bound = GateConfig::default().max_loss_increase;
+        let verdicts = gate().judge_round(
+            0,
+            1.0,
+            &[
+                // Better than its own: an honest neighbour ahead of this node.
+                with_loss(2.5, 2.6, 2.4),
+                // Worse than its own but no worse than the round start: an honest slow peer.
+                with_loss(2.5, 2.9, 2.8),
+                // Within the bound over both.
+                with_loss(2.5, 2.6, 2.6 + bound * 0.9),
+                // A garbage model: 7 nats.
+                with_loss(2.5, 2.6, 7.2),
+                // A loss that is not finite.
+                with_loss(2.5, 2.6, f64::NAN),
+                with_loss(2.5, 2.6, f64::INFINITY),
+            ],
+        );
+        assert!(verdicts[..3].iter().all(Result::is_ok), "{verdicts:?}");
+        for verdict in &verdicts[3..] {
+            let refusal = verdict.clone().unwrap_err();
+            assert_eq!(refusal.kind(), "harmful");
+            assert!(
+                refusal.to_string().contains("max_loss_increase"),
+                "{refusal}"
+            );
+        }
+        assert!(
+            matches!(verdicts[3], Err(Refusal::Harmful { reference, .. }) if reference == 2.6),
+            "the reference is the larger of own and anchor"
+        );
+        // A harmful payload's distance does not enter the window.
+        let mut g = gate();
+        g.judge_round(0, 1.0, &[with_loss(2.5, 2.6, 9.0)]);
+        assert_eq!(g.accepted_median(0), None);
+    }
+
+    #[test]
+    fn only_garbage_beyond_doubt_is_gross() {
+        let too_far = |distance: f64| Refusal::TooFar {
+            distance,
+            bound: 10.0,
+            reference: 1.0,
+        };
+        assert!(!too_far(11.0).is_gross(), "just beyond the bound");
+        assert!(too_far(101.0).is_gross());
+        assert!(too_far(f64::INFINITY).is_gross());
+        assert!(Refusal::NonFinite { tensor: "t".into() }.is_gross());
+        let harmful = |loss: f64| Refusal::Harmful {
+            loss,
+            reference: 2.0,
+            bound: 0.3,
+        };
+        assert!(!harmful(2.5).is_gross());
+        assert!(harmful(5.1).is_gross());
+        assert!(harmful(f64::NAN).is_gross());
+        let misaligned = Refusal::Misaligned {
+            cosine: -1.0,
+            floor: 0.0,
+        };
+        assert!(!misaligned.is_gross());
+    }
+
+    #[test]
+    fn the_functional_check_judges_nothing_when_the_own_model_has_no_finite_loss_and_can_be_off() {
+        assert!(gate()
+            .judge_loss(&LossReading {
+                own: f64::NAN,
+                anchor: f64::INFINITY,
+                theirs: 9.0
+            })
+            .is_ok());
+        assert!(
+            gate()
+                .judge_loss(&LossReading {
+                    own: f64::NAN,
+                    anchor: 2.0,
+                    theirs: 9.0
+                })
+                .is_err(),
+            "one finite reference is enough"
+        );
+        let off = PayloadGate::new(
+            GateConfig {
+                max_loss_increase: f64::INFINITY,
+                ..GateConfig::default()
+            },
+            1,
+        );
+        assert!(off
+            .judge_loss(&LossReading {
+                own: 2.0,
+                anchor: 2.0,
+                theirs: 1e9
+            })
+            .is_ok());
+        assert!(off
+            .judge_loss(&LossReading {
+                own: 2.0,
+                anchor: 2.0,
+                theirs: f64::NAN
+            })
+            .is_err());
     }
 
     #[test]

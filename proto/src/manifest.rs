@@ -307,6 +307,10 @@ pub struct OptimizerConfig {
     pub grad_clip: f64,
 }
 
+/// The most sequences `[gate] check_sequences` may name: the functional check runs on
+/// every received payload, and its batch is held on the trainer's device.
+pub const MAX_CHECK_SEQUENCES: u64 = 256;
+
 /// `[gate]`: the bounds of the payload gate (`gate.rs`), the values check of every model a
 /// neighbour sends before it is mixed.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -338,6 +342,24 @@ pub struct GateConfig {
     /// The rounds offences are counted over.
     #[serde(default = "default_ban_window_rounds")]
     pub ban_window_rounds: u64,
+    /// The functional check (`gate::LossReading`): a payload is refused as `harmful` when
+    /// this node's model with the payload swapped in (the round's fragment the neighbour's)
+    /// has a loss on a held-out batch more than this many nats above the larger of the
+    /// model's loss with its own payload and with the fragment as the round started. `inf`
+    /// turns the bound off. Left out of the canonical bytes at its default.
+    #[serde(
+        default = "default_max_loss_increase",
+        skip_serializing_if = "is_default_max_loss_increase"
+    )]
+    pub max_loss_increase: f64,
+    /// The sequences (of `[data] seq_len` tokens, from the validation split, another slice
+    /// each round) the functional check runs on; 0 turns the check off. Left out of the
+    /// canonical bytes at its default.
+    #[serde(
+        default = "default_check_sequences",
+        skip_serializing_if = "is_default_check_sequences"
+    )]
+    pub check_sequences: u64,
 }
 
 impl Default for GateConfig {
@@ -349,6 +371,8 @@ impl Default for GateConfig {
             max_state_disagreement: default_max_state_disagreement(),
             ban_after_offences: default_ban_after_offences(),
             ban_window_rounds: default_ban_window_rounds(),
+            max_loss_increase: default_max_loss_increase(),
+            check_sequences: default_check_sequences(),
         }
     }
 }
@@ -370,6 +394,18 @@ fn default_ban_after_offences() -> u32 {
 }
 fn default_ban_window_rounds() -> u64 {
     20
+}
+fn default_max_loss_increase() -> f64 {
+    0.3
+}
+fn is_default_max_loss_increase(v: &f64) -> bool {
+    *v == default_max_loss_increase()
+}
+fn default_check_sequences() -> u64 {
+    4
+}
+fn is_default_check_sequences(v: &u64) -> bool {
+    *v == default_check_sequences()
 }
 
 /// Validation during training.
@@ -1114,6 +1150,24 @@ impl RunManifest {
         if g.ban_window_rounds == 0 {
             return Err(("gate.ban_window_rounds", "must be at least 1".into()));
         }
+        if g.max_loss_increase.is_nan() || g.max_loss_increase < 0.0 {
+            return Err((
+                "gate.max_loss_increase",
+                format!(
+                    "= {} must be a number ≥ 0 (nats; inf: off)",
+                    g.max_loss_increase
+                ),
+            ));
+        }
+        if g.check_sequences > MAX_CHECK_SEQUENCES {
+            return Err((
+                "gate.check_sequences",
+                format!(
+                    "= {} must be at most {MAX_CHECK_SEQUENCES} (0: off)",
+                    g.check_sequences
+                ),
+            ));
+        }
         Ok(())
     }
 
@@ -1574,6 +1628,35 @@ decay_steps = 100
         assert!(gate("max_state_disagreement = nan").contains("gate.max_state_disagreement"));
         assert!(gate("ban_window_rounds = 0").contains("gate.ban_window_rounds"));
         assert!(gate("max_ratio = 3.0").contains("max_ratio"));
+        assert!(gate("max_loss_increase = -0.1").contains("gate.max_loss_increase"));
+        assert!(gate("max_loss_increase = nan").contains("gate.max_loss_increase"));
+        assert!(gate("check_sequences = 100000").contains("gate.check_sequences"));
+    }
+
+    /// The functional check's keys are in the run id only where they are set to another
+    /// value: a manifest that leaves them out keeps the id it had before they existed.
+    #[test]
+    fn the_functional_checks_keys_enter_the_run_id_only_away_from_their_defaults() {
+        let m = RunManifest::parse(TINY, "x").unwrap();
+        let spelled = RunManifest::parse(
+            &format!("{TINY}[gate]\nmax_loss_increase = 0.3\ncheck_sequences = 4\n"),
+            "x",
+        )
+        .unwrap();
+        assert_eq!(spelled.run_id(), m.run_id());
+        let canonical = String::from_utf8(m.canonical_bytes()).unwrap();
+        assert!(!canonical.contains("max_loss_increase"), "{canonical}");
+        for body in [
+            "max_loss_increase = 0.5",
+            "check_sequences = 0",
+            "max_loss_increase = inf",
+        ] {
+            let other = RunManifest::parse(&format!("{TINY}[gate]\n{body}\n"), "x").unwrap();
+            assert_ne!(other.run_id(), m.run_id(), "{body}");
+            let text = String::from_utf8(other.canonical_bytes()).unwrap();
+            let again = RunManifest::parse(&text, "canonical").unwrap();
+            assert_eq!(again.gate, other.gate, "{body}: {text}");
+        }
     }
 }
 

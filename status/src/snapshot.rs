@@ -203,6 +203,15 @@ pub struct GateReading {
     pub reference: f64,
     /// `cos(θ_i − x_j, θ_i − x_i)`, when both are nonzero.
     pub cosine: Option<f64>,
+    /// The functional check: the loss on a held-out batch of this node's model with the
+    /// payload swapped in (its round's fragment `x_j`), when the check ran.
+    pub loss: Option<f64>,
+    /// What `loss` is held against: the larger of the model's loss with its own payload and
+    /// with the round's anchor (`loss − loss_reference` against `[gate] max_loss_increase`).
+    pub loss_reference: Option<f64>,
+    /// Seconds of the trainer's time this payload's screening took (the round's shared out
+    /// over its payloads): the gate's cost, without the wait for the trainer thread.
+    pub screen_s: f64,
 }
 
 /// A neighbour's payload this node turned down, and why.
@@ -214,6 +223,10 @@ pub struct RefusedPayload {
     pub kind: String,
     /// The whole reason, with its numbers.
     pub reason: String,
+    /// Garbage beyond doubt (`gasloc_proto::gate::Refusal::is_gross`): one such offence bans
+    /// the peer.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gross: bool,
 }
 
 /// The node's state as `/status` serves it.
@@ -429,6 +442,7 @@ mod tests {
                     peer: "12D3KooWPeerD".into(),
                     kind: "too_far".into(),
                     reason: "gate: too_far: …".into(),
+                    gross: false,
                 }],
                 mixing: vec![
                     ("12D3KooWPeerA".into(), 2.0 / 3.0),

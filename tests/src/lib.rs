@@ -618,25 +618,60 @@ pub fn is_root() -> bool {
     unsafe { libc::geteuid() == 0 }
 }
 
-/// The payload gate's margins over round records (their `gate` readings): the largest
-/// `distance / reference` and the smallest cosine seen, and how many readings. Readings with
-/// no reference yet count only for the cosine.
-pub fn gate_margins(records: &[serde_json::Value]) -> (f64, f64, usize) {
-    let (mut ratio, mut cosine, mut n) = (0.0f64, 1.0f64, 0);
+/// How close the payloads of round records (their `gate` readings) came to the payload
+/// gate's bounds.
+#[derive(Debug, Clone, Copy)]
+pub struct GateMargins {
+    /// The largest `distance / reference` (readings with a reference).
+    pub ratio: f64,
+    /// The smallest cosine.
+    pub cosine: f64,
+    /// The largest `loss − loss_reference` of the functional check (−∞ when it never ran),
+    /// against `[gate] max_loss_increase`.
+    pub loss_increase: f64,
+    /// How many readings.
+    pub n: usize,
+}
+
+impl std::fmt::Display for GateMargins {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "max distance/reference {:.3}, min cosine {:.3}, max loss increase {:.4}, over {} payloads",
+            self.ratio, self.cosine, self.loss_increase, self.n
+        )
+    }
+}
+
+/// The payload gate's margins over round records: see [`GateMargins`].
+pub fn gate_margins(records: &[serde_json::Value]) -> GateMargins {
+    let mut m = GateMargins {
+        ratio: 0.0,
+        cosine: 1.0,
+        loss_increase: f64::NEG_INFINITY,
+        n: 0,
+    };
     for reading in records
         .iter()
         .flat_map(|r| r["gate"].as_array().cloned().unwrap_or_default())
     {
-        n += 1;
+        m.n += 1;
         let reference = reading["reference"].as_f64().unwrap_or(0.0);
         if reference > 0.0 {
-            ratio = ratio.max(reading["distance"].as_f64().unwrap_or(0.0) / reference);
+            m.ratio = m
+                .ratio
+                .max(reading["distance"].as_f64().unwrap_or(0.0) / reference);
         }
         if let Some(c) = reading["cosine"].as_f64() {
-            cosine = cosine.min(c);
+            m.cosine = m.cosine.min(c);
+        }
+        if let (Some(loss), Some(reference)) =
+            (reading["loss"].as_f64(), reading["loss_reference"].as_f64())
+        {
+            m.loss_increase = m.loss_increase.max(loss - reference);
         }
     }
-    (ratio, cosine, n)
+    m
 }
 
 /// ln(256): the loss of a uniform guess over byte tokens (where an untrained model starts).

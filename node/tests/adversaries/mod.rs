@@ -13,10 +13,11 @@ use gasloc_p2p::peer_standing::PeerStanding;
 use gasloc_p2p::swarm_node::{Participation, SwarmNode, STATE_ANCHOR_PREFIX};
 use gasloc_p2p::tensors::{TensorSet, TensorSpec};
 use gasloc_p2p::work::{
-    Candidate, Finished, PayloadTables, Received, RoundWork, Screened, TrainOrder, Trained,
-    WorkFuture,
+    AnchorSpread, Candidate, Finished, PayloadTables, Received, RoundWork, Screened, TrainOrder,
+    Trained, WorkFuture,
 };
 use gasloc_p2p::{Keypair, Multiaddr, PeerId};
+use gasloc_proto::manifest::Overlap;
 use gasloc_tests::{prepare_byte_data, start_bootstrap, Proc};
 use serde_json::Value;
 use std::collections::{HashMap, VecDeque};
@@ -147,13 +148,15 @@ fn poison_with_anchor(
     }
 }
 
-/// A NaN in `tensor` on even rounds, `tensor` × 1000 on odd ones.
+/// A NaN in `tensor` on even rounds, `tensor` × 1000 on odd ones; a payload without
+/// `tensor` (a model fragment of other tensors) has its first tensor poisoned instead.
 fn poison(round: u64, payload: &mut TensorSet, tensor: &str) {
-    let norm = payload
+    let at = payload
         .tensors
-        .iter_mut()
-        .find(|t| t.name == tensor)
-        .expect("the model has a final norm");
+        .iter()
+        .position(|t| t.name == tensor)
+        .unwrap_or(0);
+    let norm = &mut payload.tensors[at];
     let values = norm.data.chunks_exact(4).enumerate().map(|(i, b)| {
         let v = f32::from_le_bytes(b.try_into().unwrap());
         match round % 2 {
@@ -226,7 +229,7 @@ impl RoundWork for Poisoner {
             Ok(finished)
         })
     }
-    fn load_state(&mut self, round: u64, state: TensorSet, spread: Vec<f64>) -> WorkFuture<()> {
+    fn load_state(&mut self, round: u64, state: TensorSet, spread: AnchorSpread) -> WorkFuture<()> {
         self.inner.load_state(round, state, spread)
     }
     fn close(&mut self) -> WorkFuture<()> {
@@ -281,7 +284,7 @@ pub async fn start_adversary(
             standing: PeerStanding::new(&manifest.gate, Vec::new()),
             ban_file: None,
             offences: Default::default(),
-            overlap: false,
+            overlap: manifest.outer.overlap != Overlap::None,
         },
         status: tokio::sync::watch::channel(Default::default()).0,
         stop: Default::default(),
@@ -320,11 +323,7 @@ impl Swarm {
         let dir = tmp.path().to_path_buf();
         let path = dir.join("run.toml");
         std::fs::write(&path, manifest).unwrap();
-        let data = match std::env::var_os("GASLOC_ADVERSARY_DATA") {
-            Some(given) => std::fs::canonicalize(&given)
-                .unwrap_or_else(|e| panic!("GASLOC_ADVERSARY_DATA={given:?}: {e}")),
-            None => prepare_byte_data(&dir),
-        };
+        let data = test_data(&dir);
         let [genesis, period, window, exchange] = timing;
         let (bootstrap, boot) = start_bootstrap(&dir, &path, genesis, period, window, exchange);
         let (mut adversaries, mut tasks) = (Vec::new(), Vec::new());
@@ -344,6 +343,40 @@ impl Swarm {
             tasks,
         }
     }
+}
+
+/// The default manifest's `[outer]` (delayed overlap in five fragments, six inner steps) on
+/// `topology`: what a user runs, for the adversaries of `adversary_default.rs`.
+pub fn default_manifest(topology: &str) -> String {
+    gasloc_tests::tiny_run(
+        "adversary-default-test",
+        11,
+        &format!("topology = \"{topology}\"\n"),
+    )
+}
+
+/// The byte shards in `$GASLOC_ADVERSARY_DATA` when it is set (real text, such as `make
+/// setup`'s `datasets/shakespeare-byte`), else the tests' six-sentence corpus written in `dir`.
+pub fn test_data(dir: &std::path::Path) -> std::path::PathBuf {
+    match std::env::var_os("GASLOC_ADVERSARY_DATA") {
+        Some(given) => std::fs::canonicalize(&given)
+            .unwrap_or_else(|e| panic!("GASLOC_ADVERSARY_DATA={given:?}: {e}")),
+        None => prepare_byte_data(dir),
+    }
+}
+
+/// Round records with `peer`'s gate readings left out (the honest ones' margins).
+pub fn without_readings_of(records: &[Value], peer: &str) -> Vec<Value> {
+    records
+        .iter()
+        .map(|r| {
+            let mut r = r.clone();
+            if let Some(gate) = r["gate"].as_array_mut() {
+                gate.retain(|g| g["peer"] != peer);
+            }
+            r
+        })
+        .collect()
 }
 
 /// The peers whose models a round record says were mixed (this node first).
