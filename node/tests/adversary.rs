@@ -146,7 +146,8 @@ async fn honest_nodes_refuse_a_poisoning_peer_every_round_and_learn() {
 /// Two honest nodes and the adversary serve states; a late joiner (`--sync-state`) asks all
 /// three, outvotes the adversary's (its final norm × 1000: finite, so only the comparison
 /// with the honest sources catches it), starts from the honest anchor and trains normally:
-/// its first validation loss is the honest nodes' of that round, not a broken model's.
+/// its validation loss lies within 3 % of the honest nodes' of that round, not a broken
+/// model's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_joiner_outvotes_a_peer_serving_a_poisoned_state_and_trains_normally() {
     let swarm = Swarm::with_adversary(Poison::State, 7).await;
@@ -220,19 +221,28 @@ async fn a_late_joiner_outvotes_a_poisoned_state(mut swarm: Swarm, honest_rounds
         "{synced}"
     );
     let late = read_report(&home(3));
-    let honest = read_report(&home(1));
+    let honest = [read_report(&home(1)), read_report(&home(2))];
     assert_eq!(late.len(), 2, "{late:?}");
     for record in &late {
         let round = record["round"].as_u64().unwrap();
         let loss = record["val_loss"].as_f64().expect("a validation loss");
-        let theirs = honest
+        // The honest nodes' losses of that round: on one-peer gossip (the default manifest)
+        // their anchors differ, so the joiner is held to their range.
+        let theirs: Vec<f64> = honest
             .iter()
-            .find(|r| r["round"].as_u64() == Some(round))
-            .and_then(|r| r["val_loss"].as_f64())
-            .expect("the honest node ran that round");
+            .filter_map(|records| {
+                records
+                    .iter()
+                    .find(|r| r["round"].as_u64() == Some(round))
+                    .and_then(|r| r["val_loss"].as_f64())
+            })
+            .collect();
+        assert!(!theirs.is_empty(), "no honest node ran round {round}");
+        let low = theirs.iter().copied().fold(f64::INFINITY, f64::min);
+        let high = theirs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
         assert!(
-            (loss - theirs).abs() <= 0.03 * theirs,
-            "round {round}: the joiner's loss {loss} vs the honest node's {theirs}"
+            loss >= 0.97 * low && loss <= 1.03 * high,
+            "round {round}: the joiner's loss {loss} vs the honest nodes' {theirs:?}"
         );
     }
 }
