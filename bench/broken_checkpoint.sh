@@ -12,7 +12,7 @@
 # the broken node whether that payload was mixed (M) or refused (kind), with the functional
 # check's loss increase; then the worst rise of its validation loss above its value before the
 # attack (the round the broken node joined), and the broken node's own losses. With
-# [gate] from $GATE (a TOML fragment, e.g. `check_sequences = 0`) the same run with other
+# [gate] from $GATE (a TOML fragment, e.g. `check_tokens = 0`) the same run with other
 # bounds. Traffic stays on loopback.
 #
 # usage: bench/broken_checkpoint.sh [bin dir] [data dir] [rounds]

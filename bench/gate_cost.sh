@@ -7,13 +7,13 @@
 # --max-upload-rate at 12.5 MB/s (100 Mbit/s, a volunteer's link), in rounds of 6 s. Every
 # round each node's gate measures what arrived against its anchor (finiteness, distance,
 # cosine) and runs the functional check (its model with the round's fragment as its own, as
-# the round's anchor and as each neighbour's, on `[gate] check_sequences` held-out
-# sequences), on its trainer thread. Each gate reading holds the trainer's seconds for that
+# the round's anchor and as each neighbour's, on `[gate] check_tokens` held-out
+# tokens), on its trainer thread. Each gate reading holds the trainer's seconds for that
 # payload (`screen_s`: decoding, measuring, and its share of the forward passes); the round
 # record's `wall_s` is the round's wall time. Reported over all node-rounds that exchanged:
 # the trainer's gate seconds a round (mean, median, worst) and their share of the rounds'
 # wall time (the goal: at most 2 %); then the same swarm with the check off
-# (`check_sequences = 0`), run just after, for the check's own part. Traffic stays on
+# (`check_tokens = 0`), run just after, for the check's own part. Traffic stays on
 # loopback.
 #
 # usage: bench/gate_cost.sh [bin dir] [data dir] [rounds]
@@ -70,7 +70,7 @@ swarm() {
 
 demo="$here/../examples/runs/demo.toml"
 swarm "$demo" "$out/check-on"
-{ cat "$demo"; printf '\n[gate]\ncheck_sequences = 0\n'; } >"$out/check-off.toml"
+{ cat "$demo"; printf '\n[gate]\ncheck_tokens = 0\n'; } >"$out/check-off.toml"
 swarm "$out/check-off.toml" "$out/check-off"
 
 "$python" - "$out" <<'EOF'

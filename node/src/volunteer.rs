@@ -255,7 +255,7 @@ struct RoundTrainer {
     /// Judges each received model before it is mixed (`[gate]` of the manifest), with a
     /// window of accepted distances per fragment.
     gate: PayloadGate,
-    /// The functional check's held-out batches (`[gate] check_sequences` validation
+    /// The functional check's held-out batches (`[gate] check_tokens` of validation
     /// sequences each), round r using `check[r mod len]`; empty when the check is off.
     check: Vec<Batch>,
     /// `[outer] payload = "lordo"`: the low-rank payload's sender and decoder.
@@ -743,7 +743,7 @@ impl RoundTrainer {
     /// not checked), on this round's held-out batch: the model in training with the round's
     /// fragment set to this node's own payload `own`, to the round's anchor `anchor`, and to
     /// each `x_j`. The model in training is put back after, exactly.
-    /// Nothing is measured when the check is off (`[gate] check_sequences = 0`, or no
+    /// Nothing is measured when the check is off (`[gate] check_tokens = 0`, or no
     /// validation data).
     fn loss_readings(
         &mut self,
@@ -1248,13 +1248,14 @@ fn measure(
 }
 
 /// The functional check's held-out batches: up to [`CHECK_SLICES`] batches of `[gate]
-/// check_sequences` validation sequences each (none when the check is off or the data has no
+/// check_tokens` of whole validation sequences each, at least one (none when the check is off or the data has no
 /// validation split, with a warning).
 fn check_batches(data: &TokenDataset, manifest: &RunManifest) -> Vec<Batch> {
-    let sequences = manifest.gate.check_sequences as usize;
-    if sequences == 0 {
+    let tokens = manifest.gate.check_tokens as usize;
+    if tokens == 0 {
         return Vec::new();
     }
+    let sequences = (tokens / manifest.data.seq_len.max(1)).max(1);
     let batches = gasloc_data::stream::validation_batches(
         data,
         manifest.data.seq_len,

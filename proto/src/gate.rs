@@ -18,7 +18,7 @@
 //!    [`Refusal::Misaligned`];
 //! 4. the functional check ([`LossReading`]): what the payload does to this node's model, not
 //!    how far it lies. The trainer evaluates, on a held-out batch of its own (`[gate]
-//!    check_sequences` validation sequences, another slice each round), its model in training
+//!    check_tokens` of validation sequences, another slice each round), its model in training
 //!    with the round's fragment set three ways: its own payload `x_i` (`own`), the anchor the
 //!    round started from `θ_i` (`anchor`), and the neighbour's payload `x_j` swapped in
 //!    (`theirs`: the payload at full weight, more than any mix gives it). The payload is
@@ -56,7 +56,7 @@ pub struct PayloadStats {
     pub distance: f64,
     /// `cos(θ_i − x_j, θ_i − x_i)`; `None` when either vector is zero.
     pub cosine: Option<f64>,
-    /// The functional check's losses; `None` when it did not run (`check_sequences = 0`, no
+    /// The functional check's losses; `None` when it did not run (`check_tokens = 0`, no
     /// validation data, or a payload already found non-finite).
     pub loss: Option<LossReading>,
 }

@@ -307,9 +307,9 @@ pub struct OptimizerConfig {
     pub grad_clip: f64,
 }
 
-/// The most sequences `[gate] check_sequences` may name: the functional check runs on
-/// every received payload, and its batch is held on the trainer's device.
-pub const MAX_CHECK_SEQUENCES: u64 = 256;
+/// The most tokens `[gate] check_tokens` may name: the functional check runs on every
+/// received payload, and its batch is held on the trainer's device.
+pub const MAX_CHECK_TOKENS: u64 = 65_536;
 
 /// `[gate]`: the bounds of the payload gate (`gate.rs`), the values check of every model a
 /// neighbour sends before it is mixed.
@@ -352,14 +352,14 @@ pub struct GateConfig {
         skip_serializing_if = "is_default_max_loss_increase"
     )]
     pub max_loss_increase: f64,
-    /// The sequences (of `[data] seq_len` tokens, from the validation split, another slice
-    /// each round) the functional check runs on; 0 turns the check off. Left out of the
-    /// canonical bytes at its default.
+    /// The tokens the functional check runs on: whole validation sequences of `[data]
+    /// seq_len`, as many as fit (at least one), another slice each round; 0 turns the check
+    /// off. Left out of the canonical bytes at its default.
     #[serde(
-        default = "default_check_sequences",
-        skip_serializing_if = "is_default_check_sequences"
+        default = "default_check_tokens",
+        skip_serializing_if = "is_default_check_tokens"
     )]
-    pub check_sequences: u64,
+    pub check_tokens: u64,
 }
 
 impl Default for GateConfig {
@@ -372,7 +372,7 @@ impl Default for GateConfig {
             ban_after_offences: default_ban_after_offences(),
             ban_window_rounds: default_ban_window_rounds(),
             max_loss_increase: default_max_loss_increase(),
-            check_sequences: default_check_sequences(),
+            check_tokens: default_check_tokens(),
         }
     }
 }
@@ -401,11 +401,11 @@ fn default_max_loss_increase() -> f64 {
 fn is_default_max_loss_increase(v: &f64) -> bool {
     *v == default_max_loss_increase()
 }
-fn default_check_sequences() -> u64 {
-    4
+fn default_check_tokens() -> u64 {
+    256
 }
-fn is_default_check_sequences(v: &u64) -> bool {
-    *v == default_check_sequences()
+fn is_default_check_tokens(v: &u64) -> bool {
+    *v == default_check_tokens()
 }
 
 /// Validation during training.
@@ -1159,12 +1159,12 @@ impl RunManifest {
                 ),
             ));
         }
-        if g.check_sequences > MAX_CHECK_SEQUENCES {
+        if g.check_tokens > MAX_CHECK_TOKENS {
             return Err((
-                "gate.check_sequences",
+                "gate.check_tokens",
                 format!(
-                    "= {} must be at most {MAX_CHECK_SEQUENCES} (0: off)",
-                    g.check_sequences
+                    "= {} must be at most {MAX_CHECK_TOKENS} (0: off)",
+                    g.check_tokens
                 ),
             ));
         }
@@ -1630,7 +1630,7 @@ decay_steps = 100
         assert!(gate("max_ratio = 3.0").contains("max_ratio"));
         assert!(gate("max_loss_increase = -0.1").contains("gate.max_loss_increase"));
         assert!(gate("max_loss_increase = nan").contains("gate.max_loss_increase"));
-        assert!(gate("check_sequences = 100000").contains("gate.check_sequences"));
+        assert!(gate("check_tokens = 100000").contains("gate.check_tokens"));
     }
 
     /// The functional check's keys are in the run id only where they are set to another
@@ -1639,7 +1639,7 @@ decay_steps = 100
     fn the_functional_checks_keys_enter_the_run_id_only_away_from_their_defaults() {
         let m = RunManifest::parse(TINY, "x").unwrap();
         let spelled = RunManifest::parse(
-            &format!("{TINY}[gate]\nmax_loss_increase = 0.3\ncheck_sequences = 4\n"),
+            &format!("{TINY}[gate]\nmax_loss_increase = 0.3\ncheck_tokens = 256\n"),
             "x",
         )
         .unwrap();
@@ -1648,7 +1648,7 @@ decay_steps = 100
         assert!(!canonical.contains("max_loss_increase"), "{canonical}");
         for body in [
             "max_loss_increase = 0.5",
-            "check_sequences = 0",
+            "check_tokens = 0",
             "max_loss_increase = inf",
         ] {
             let other = RunManifest::parse(&format!("{TINY}[gate]\n{body}\n"), "x").unwrap();
