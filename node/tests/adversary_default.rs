@@ -11,8 +11,8 @@
 //!   stays finite, so it trains and sends. The fragment holding the norm is garbage (thousands
 //!   of times the distance reference: gross) and bans it at its first pairing; its other
 //!   fragments start as the honest checkpoint's and drift as it trains in its broken model:
-//!   they are mixed while they do no measurable harm and refused (`harmful`) once what they
-//!   do to a model exceeds `[gate] max_loss_increase`.
+//!   they are mixed (the functional check's bound, `[gate] max_loss_increase`, is off by
+//!   default) and do no measurable harm to the honest nodes' losses.
 //!
 //! In every case each honest node refuses no honest peer, never mixes the bad peer after
 //! banning it (at a gross offence, or the third), and its validation loss (every round) never rises more
@@ -41,8 +41,7 @@ struct Attack {
     peer: String,
     /// Whether its payload of round r is garbage (every round for a poisoner; for the node
     /// from a broken checkpoint, the rounds of the fragment that holds the scaled norm — its
-    /// other fragments start honest and drift as it trains; they are refused once what they
-    /// do to a model exceeds the bound).
+    /// other fragments start honest and drift as it trains).
     garbage_in_round: Box<dyn Fn(u64) -> bool>,
     /// The first round it took part in.
     first_round: u64,

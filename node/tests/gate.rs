@@ -348,8 +348,10 @@ async fn on_the_default_overlap_a_fragment_inside_the_distance_bound_that_harms_
 ) {
     let _serial = ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let (mut a, mut twin, _) = trained_twins(dir.path(), &default_run_text("")).await;
-    let mut b = volunteer_with(dir.path(), "b", &default_run_text(""));
+    // The functional check's bound set (the default, inf, refuses only a non-finite loss).
+    let run = default_run_text("[gate]\nmax_loss_increase = 0.3\n");
+    let (mut a, mut twin, _) = trained_twins(dir.path(), &run).await;
+    let mut b = volunteer_with(dir.path(), "b", &run);
     let honest = train(&mut b).await;
     let fragment_tensors = a.payload_tables().for_round(0).len();
     assert_eq!(
@@ -359,7 +361,7 @@ async fn on_the_default_overlap_a_fragment_inside_the_distance_bound_that_harms_
     );
     assert!(fragment_tensors < a.payload_tables().by_fragment.iter().map(|t| t.len()).sum());
 
-    let anchor = seed_anchor(&dir.path().join("seed"), &default_run_text(""), &honest);
+    let anchor = seed_anchor(&dir.path().join("seed"), &run, &honest);
     let harmful = flipped_by(&honest, &anchor, 4.0);
     let candidates = vec![
         Candidate {

@@ -133,8 +133,7 @@ impl Refusal {
     /// (`PeerStanding`): a NaN or an infinity (an honest trainer stops at a non-finite loss
     /// before it sends), a distance more than [`GROSS_FACTOR`] times the bound, or a loss
     /// increase more than [`GROSS_FACTOR`] times `max_loss_increase` (or not finite). Honest
-    /// peers in the swarm tests lie within 2.1 × the distance reference (the bound is 10 ×)
-    /// and raise the loss by at most 0.18 nats (the bound is 0.3).
+    /// peers in the swarm tests lie within 2.2 × the distance reference (the bound is 10 ×).
     pub fn is_gross(&self) -> bool {
         match self {
             Refusal::NonFinite { .. } => true,
@@ -694,10 +693,21 @@ mod tests {
         }
     }
 
+    /// A gate whose functional check refuses at 0.3 nats (off by default).
+    fn bounded() -> PayloadGate {
+        PayloadGate::new(
+            GateConfig {
+                max_loss_increase: 0.3,
+                ..GateConfig::default()
+            },
+            1,
+        )
+    }
+
     #[test]
     fn a_payload_that_raises_the_loss_beyond_the_bound_is_harmful() {
-        let bound = GateConfig::default().max_loss_increase;
-        let verdicts = gate().judge_round(
+        let bound = 0.3;
+        let verdicts = bounded().judge_round(
             0,
             1.0,
             &[
@@ -728,7 +738,7 @@ mod tests {
             "the reference is the larger of own and anchor"
         );
         // A harmful payload's distance does not enter the window.
-        let mut g = gate();
+        let mut g = bounded();
         g.judge_round(0, 1.0, &[with_loss(2.5, 2.6, 9.0)]);
         assert_eq!(g.accepted_median(0), None);
     }
@@ -761,7 +771,7 @@ mod tests {
 
     #[test]
     fn the_functional_check_judges_nothing_when_the_own_model_has_no_finite_loss_and_can_be_off() {
-        assert!(gate()
+        assert!(bounded()
             .judge_loss(&LossReading {
                 own: f64::NAN,
                 anchor: f64::INFINITY,
@@ -769,7 +779,7 @@ mod tests {
             })
             .is_ok());
         assert!(
-            gate()
+            bounded()
                 .judge_loss(&LossReading {
                     own: f64::NAN,
                     anchor: 2.0,

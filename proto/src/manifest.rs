@@ -345,8 +345,12 @@ pub struct GateConfig {
     /// The functional check (`gate::LossReading`): a payload is refused as `harmful` when
     /// this node's model with the payload swapped in (the round's fragment the neighbour's)
     /// has a loss on a held-out batch more than this many nats above the larger of the
-    /// model's loss with its own payload and with the fragment as the round started. `inf`
-    /// turns the bound off. Left out of the canonical bytes at its default.
+    /// model's loss with its own payload and with the fragment as the round started. `inf`,
+    /// the default, refuses only a payload whose loss is not finite: honest joiners' and
+    /// restarted nodes' fragments rose 0.30 and 0.66 nats over that reference in the swarm
+    /// tests (their fragments trained beside older ones), so no finite default is safe yet;
+    /// the losses are measured and recorded all the same. Left out of the canonical bytes at
+    /// its default.
     #[serde(
         default = "default_max_loss_increase",
         skip_serializing_if = "is_default_max_loss_increase"
@@ -396,7 +400,7 @@ fn default_ban_window_rounds() -> u64 {
     20
 }
 fn default_max_loss_increase() -> f64 {
-    0.3
+    f64::INFINITY
 }
 fn is_default_max_loss_increase(v: &f64) -> bool {
     *v == default_max_loss_increase()
@@ -1639,7 +1643,7 @@ decay_steps = 100
     fn the_functional_checks_keys_enter_the_run_id_only_away_from_their_defaults() {
         let m = RunManifest::parse(TINY, "x").unwrap();
         let spelled = RunManifest::parse(
-            &format!("{TINY}[gate]\nmax_loss_increase = 0.3\ncheck_tokens = 256\n"),
+            &format!("{TINY}[gate]\nmax_loss_increase = inf\ncheck_tokens = 256\n"),
             "x",
         )
         .unwrap();
@@ -1649,7 +1653,7 @@ decay_steps = 100
         for body in [
             "max_loss_increase = 0.5",
             "check_tokens = 0",
-            "max_loss_increase = inf",
+            "max_loss_increase = 0.3",
         ] {
             let other = RunManifest::parse(&format!("{TINY}[gate]\n{body}\n"), "x").unwrap();
             assert_ne!(other.run_id(), m.run_id(), "{body}");
