@@ -114,14 +114,6 @@ impl AnchorSpread {
             })
             .collect()
     }
-
-    /// Each source's distance over its whole anchor.
-    pub fn whole(&self) -> Vec<f64> {
-        self.by_source
-            .iter()
-            .map(|d| d.iter().map(|x| x * x).sum::<f64>().sqrt())
-            .collect()
-    }
 }
 
 impl SyncedState {

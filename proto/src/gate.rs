@@ -274,8 +274,13 @@ impl PayloadGate {
         }
     }
 
+    /// Fragment `fragment`'s window (the last one for an index beyond the model's).
+    fn window_index(&self, fragment: usize) -> usize {
+        fragment.min(self.accepted.len() - 1)
+    }
+
     fn window(&self, fragment: usize) -> &VecDeque<f64> {
-        &self.accepted[fragment.min(self.accepted.len() - 1)]
+        &self.accepted[self.window_index(fragment)]
     }
 
     /// The (lower) median of fragment `fragment`'s accepted distances (`None` before any).
@@ -312,8 +317,8 @@ impl PayloadGate {
             .iter()
             .map(|stats| self.judge(own_distance, median, stats))
             .collect();
-        let last = self.accepted.len() - 1;
-        let window = &mut self.accepted[fragment.min(last)];
+        let index = self.window_index(fragment);
+        let window = &mut self.accepted[index];
         for (stats, verdict) in payloads.iter().zip(&verdicts) {
             if verdict.is_ok() {
                 window.push_back(stats.distance);
@@ -377,7 +382,8 @@ impl PayloadGate {
         if reference.is_nan() {
             return Ok(());
         }
-        if !loss.theirs.is_finite() || loss.theirs - reference > bound {
+        // A loss that is not finite is beyond every bound, `inf` included.
+        if !loss.theirs.is_finite() || loss.increase() > bound {
             return Err(Refusal::Harmful {
                 loss: loss.theirs,
                 reference,
