@@ -58,6 +58,7 @@ use gasloc_proto::fragments::Fragments;
 use gasloc_proto::gate::{LossReading, PayloadGate, PayloadStats, Refusal};
 use gasloc_proto::manifest::{Algorithm, InnerOptimizerKind, Overlap, Payload};
 use gasloc_proto::pace::{InnerSteps, MovingAverage};
+use gasloc_proto::topology::MixingRow;
 use gasloc_proto::wire::DType;
 use gasloc_proto::RunManifest;
 use gasloc_status::TrainerTime;
@@ -742,7 +743,9 @@ impl RoundTrainer {
     /// The functional check's losses ([`LossReading`]) of each model in `theirs` (`None`:
     /// not checked), on this round's held-out batch: the model in training with the round's
     /// fragment set to this node's own payload `own`, to the round's anchor `anchor`, and to
-    /// each `x_j`. The model in training is put back after, exactly.
+    /// the pair's equal mix `(x_i + x_j) / 2` with each `x_j` (what a one-peer round's outer
+    /// step makes of the payload with η = 1 and no momentum). The model in training is put
+    /// back after, exactly.
     /// Nothing is measured when the check is off (`[gate] check_tokens = 0`, or no
     /// validation data).
     fn loss_readings(
@@ -762,7 +765,8 @@ impl RoundTrainer {
             anchor.iter().map(Tensor::shallow_clone).collect(),
         ];
         for x in theirs.iter().flatten() {
-            variants.push(x.iter().map(Tensor::shallow_clone).collect());
+            let pair = [own, *x];
+            variants.push(weighted_mix(&MixingRow::uniform(0, &[1]), |j| pair[j]));
         }
         let losses =
             self.trainer

@@ -341,7 +341,7 @@ fn flipped_by(set: &TensorSet, anchor: &[Vec<f32>], k: f32) -> TensorSet {
 
 /// The regression of the default overlap: a fragment whose distance lies inside the bound but
 /// that makes the model worse is refused by what it does (`harmful`), an honest one is not;
-/// and screening (which swaps each candidate into the model in training and back) leaves the
+/// and screening (which sets each candidate's half mix into the model in training and back) leaves the
 /// node bit for bit where a twin that never screened is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_the_default_overlap_a_fragment_inside_the_distance_bound_that_harms_the_model_is_refused(

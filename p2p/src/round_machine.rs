@@ -267,8 +267,9 @@ pub struct RoundMachine {
 }
 
 impl RoundMachine {
-    /// A machine that starts with the first round still joinable at `now`; `nonces` draws
-    /// the commit-reveal nonces (seed it from the OS in a node).
+    /// A machine that starts with the first round whose commit window opens a whole window
+    /// after `now`, when it starts listening (`Timing::first_round_after_listening`);
+    /// `nonces` draws the commit-reveal nonces (seed it from the OS in a node).
     pub fn new(
         me: PeerId,
         config: MachineConfig,
@@ -276,7 +277,7 @@ impl RoundMachine {
         nonces: StdRng,
         now: u64,
     ) -> RoundMachine {
-        let next_commit = schedule.timing().next_joinable_round(now);
+        let next_commit = schedule.timing().first_round_after_listening(now);
         RoundMachine {
             me,
             config,

@@ -91,6 +91,20 @@ impl Timing {
         }
     }
 
+    /// The first round a node that starts listening to the run's topic at `now` takes part
+    /// in: the first whose commit window opens at least one commit window after `now`. By
+    /// then its gossip links have formed (a few heartbeats), so it hears every member's
+    /// commit of that round, and its own commit has the whole window to spread. A node that
+    /// committed late to a round whose commits went out before it listened could decide it
+    /// with another member list than the others (`docs/protocol.md` §4).
+    pub fn first_round_after_listening(&self, now: u64) -> u64 {
+        let mut round = self.round_at(now).map_or(0, |r| r + 1);
+        while self.commit_opens(round) < now.saturating_add(self.commit_window_ms) {
+            round += 1;
+        }
+        round
+    }
+
     pub fn from_wire(t: &RoundTiming) -> Result<Self, String> {
         let topology = Topology::from_wire(t.topology)
             .ok_or_else(|| format!("topology {} is unspecified or unknown", t.topology))?;
@@ -705,6 +719,14 @@ mod tests {
         assert_eq!(t.next_joinable_round(GENESIS + 2899), 3);
         assert_eq!(t.next_joinable_round(GENESIS + 2900), 4);
         assert_eq!(t.next_joinable_round(GENESIS - 5000), 0);
+        // A node that starts listening takes part from the first round whose commits go
+        // out a whole commit window (200 ms) later.
+        assert_eq!(t.first_round_after_listening(GENESIS - 5000), 0);
+        assert_eq!(t.first_round_after_listening(GENESIS - 400), 0);
+        assert_eq!(t.first_round_after_listening(GENESIS - 399), 1);
+        assert_eq!(t.first_round_after_listening(GENESIS + 2100), 3);
+        assert_eq!(t.first_round_after_listening(GENESIS + 2601), 4);
+        assert_eq!(t.first_round_after_listening(GENESIS + 2850), 4);
         assert_eq!(Timing::from_wire(&t.to_wire()).unwrap(), t);
         t.reveal_window_ms = 1000;
         assert!(t

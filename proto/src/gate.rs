@@ -20,14 +20,16 @@
 //!    how far it lies. The trainer evaluates, on a held-out batch of its own (`[gate]
 //!    check_tokens` of validation sequences, another slice each round), its model in training
 //!    with the round's fragment set three ways: its own payload `x_i` (`own`), the anchor the
-//!    round started from `θ_i` (`anchor`), and the neighbour's payload `x_j` swapped in
-//!    (`theirs`: the payload at full weight, more than any mix gives it). The payload is
-//!    refused as [`Refusal::Harmful`] when `theirs > max(own, anchor) + [gate]
-//!    max_loss_increase`. An honest neighbour's model has trained from an anchor near this
-//!    node's, so it is no worse than the round's start; the larger of the two references keeps
-//!    an honest slow peer, whose fragment has trained less than this node's, from being
-//!    refused. A sign-flipped pseudo-gradient `θ + Δ` climbs where honest training descends:
-//!    it is refused while a round's progress exceeds the bound.
+//!    round started from `θ_i` (`anchor`), and the pair's equal mix `(x_i + x_j) / 2`
+//!    (`theirs`: what a one-peer round's outer step makes of the payload with η = 1 and no
+//!    momentum, the largest weight any topology gives one neighbour). The payload is refused
+//!    as [`Refusal::Harmful`] when `theirs > max(own, anchor) + [gate] max_loss_increase`.
+//!    The mix, not the payload swapped in whole, is judged because an honest fragment
+//!    trained beside other fragments than this node's (a fresh joiner's, a resumed node's, a
+//!    slow peer's) is worse on its own in this node's model than it is in the average the
+//!    round takes; the larger of the two references keeps a slow peer, whose fragment has
+//!    trained less than this node's, from being refused. Garbage stays garbage at half
+//!    weight.
 //!
 //! Distances are kept per fragment (`[outer] fragments`): each fragment has its own window of
 //! accepted distances and is judged against it and against this node's own pseudo-gradient
@@ -63,7 +65,7 @@ pub struct PayloadStats {
 
 /// The functional check's three losses of this node's model in training on one held-out
 /// batch, the round's fragment set to: this node's own payload `x_i`, the anchor the round
-/// started from `θ_i`, and the neighbour's payload `x_j`.
+/// started from `θ_i`, and the mix `(x_i + x_j) / 2` with the neighbour's payload `x_j`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LossReading {
     pub own: f64,
@@ -115,8 +117,8 @@ pub enum Refusal {
         cosine: f64,
         floor: f64,
     },
-    /// The functional check: this node's model with the payload swapped in has a loss on a
-    /// held-out batch more than `[gate] max_loss_increase` over the reference.
+    /// The functional check: this node's model with the payload mixed in at half weight has
+    /// a loss on a held-out batch more than `[gate] max_loss_increase` over the reference.
     Harmful {
         loss: f64,
         reference: f64,
@@ -196,7 +198,7 @@ impl fmt::Display for Refusal {
                 bound,
             } => write!(
                 f,
-                "gate: harmful: this node's model with the payload swapped in has a loss of \
+                "gate: harmful: this node's model with the payload mixed in at half weight has a loss of \
                  {loss:.4} on a held-out batch, more than max_loss_increase {bound} above \
                  {reference:.4} (the larger of its own and its round start's)"
             ),

@@ -253,12 +253,39 @@ fn assert_agreed(
             assert_eq!(
                 (&r["members"], &r["permutation"]),
                 (&records[0].1["members"], &records[0].1["permutation"]),
-                "round {round}: {name} and {} disagree",
-                records[0].0
+                "round {round}: {name} and {} disagree; every view of it:\n{}",
+                records[0].0,
+                views_of(reports, round)
             );
         }
     }
     checked
+}
+
+/// Each node's record of `round`: its peer id, members, exchanges and failures, and each
+/// node's first round (the one it joined at), to read a disagreement by.
+fn views_of(reports: &[(String, Vec<Value>)], round: u64) -> String {
+    let mut text = String::new();
+    for (name, records) in reports {
+        let first = records.first().map(|r| (&r["peer"], &r["round"]));
+        let rounds: Vec<u64> = records.iter().filter_map(|r| r["round"].as_u64()).collect();
+        let gaps: Vec<u64> = rounds
+            .windows(2)
+            .filter(|w| w[1] != w[0] + 1)
+            .map(|w| w[1])
+            .collect();
+        text += &format!("{name} {first:?} resumed after gaps at {gaps:?}\n");
+        for r in records
+            .iter()
+            .filter(|r| r["round"].as_u64() == Some(round))
+        {
+            text += &format!(
+                "  members {} exchanged {} failed {}\n",
+                r["members"], r["exchanged"], r["failed"]
+            );
+        }
+    }
+    text
 }
 
 /// The rounds of `node` in `rounds` may have been decided on a partial view: commit-reveal
