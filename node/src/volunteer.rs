@@ -7,8 +7,8 @@
 //!
 //! 1. **train**: H_i inner AdamW steps from the anchor. With `adaptive_inner_steps`, as many
 //!    steps as fit before the driver's deadline (the round's end less the predicted exchange
-//!    and outer step, `ALGORITHMS.md` §2) at `t_step`, the moving average of this node's
-//!    measured step time: `H_i = clamp(floor(budget / t_step), H_min, H_max)`, the
+//!    and outer step, `docs/algorithms.md`, "Adaptive H_i") at `t_step`, the moving average of this
+//!    node's measured step time: `H_i = clamp(floor(budget / t_step), H_min, H_max)`, the
 //!    simulator's function (`gasloc_proto::pace`); otherwise H.
 //!    The payload is the local model `x_i` (fp32 or bf16, `[outer] payload`), or with
 //!    `payload = "lordo"` the low-rank factors of the pseudo-gradient `θ_i − x_i` plus the
@@ -31,9 +31,9 @@
 //!
 //! The state served to late joiners is the anchor and the outer momentum, named
 //! `anchor.<param>` and `outer_momentum.<param>` (fp32), made by the outer step of a round
-//! in which a joiner asked for it (`Received::want_state`), not every round. A checkpoint is the anchor as an HF
-//! model plus the AdamW moments, the data cursor, the outer momentum and the next round;
-//! with fragments also the model in training (`local.safetensors`), so that the fragments'
+//! in which a joiner asked for it (`Received::want_state`), not every round. A checkpoint is the
+//! anchor as an HF model plus the AdamW moments, the data cursor, the outer momentum and the next
+//! round; with fragments also the model in training (`local.safetensors`), so that the fragments'
 //! local progress since their last sync survives a restart.
 
 use crate::algo::outer::{
@@ -1252,8 +1252,8 @@ fn measure(
 }
 
 /// The functional check's held-out batches: up to [`CHECK_SLICES`] batches of `[gate]
-/// check_tokens` of whole validation sequences each, at least one (none when the check is off or the data has no
-/// validation split, with a warning).
+/// check_tokens` of whole validation sequences each, at least one (none when the check is off or
+/// the data has no validation split, with a warning).
 fn check_batches(data: &TokenDataset, manifest: &RunManifest) -> Vec<Batch> {
     let tokens = manifest.gate.check_tokens as usize;
     if tokens == 0 {

@@ -1,5 +1,5 @@
 //! What a node knows of the links it exchanges over, and the exchange time `C_i` it
-//! predicts from them (`ALGORITHMS.md` §2) — pure functions, no I/O, no clock.
+//! predicts from them (`docs/algorithms.md`, "Adaptive H_i") — pure functions, no I/O, no clock.
 //!
 //! A swap is timed from the moment both sides were ready to its end (the exchange service
 //! measures it), so waiting for a partner still training is not link time. Link times are

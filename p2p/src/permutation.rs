@@ -1,7 +1,7 @@
 //! Commit-reveal arithmetic and the round's permutation and neighbour sets.
 //!
 //! Pure functions, specified byte for byte in `docs/protocol.md` so that any implementation
-//! derives the same permutation from the same reveals (`ALGORITHMS.md` §3).
+//! derives the same permutation from the same reveals (`docs/protocol.md` §4).
 
 use gasloc_proto::topology;
 use gasloc_proto::topology::Topology;

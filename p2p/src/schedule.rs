@@ -1,5 +1,5 @@
 //! `RoundSchedule`: the sans-IO state machine that turns commits and reveals into each
-//! round's members, permutation and neighbours (`ALGORITHMS.md` §3).
+//! round's members, permutation and neighbours (`docs/protocol.md` §4).
 //!
 //! Time is wall-clock milliseconds since the Unix epoch, passed in by the caller (an
 //! injectable clock): round `t` starts at `start_t = genesis + t·period`. The commit-reveal

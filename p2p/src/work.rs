@@ -91,8 +91,8 @@ pub struct TrainOrder {
     pub round: u64,
     /// When the inner steps should be done so that the exchange still ends within the
     /// round: the round's end minus the predicted exchange time and the outer step
-    /// (`ALGORITHMS.md` §2). The driver moves it once the round's neighbours are known. An
-    /// adaptive trainer fits H_i to it; a fixed-H trainer ignores it.
+    /// (`docs/algorithms.md`, "Adaptive H_i"). The driver moves it once the round's neighbours are
+    /// known. An adaptive trainer fits H_i to it; a fixed-H trainer ignores it.
     pub deadline: TrainDeadline,
 }
 
@@ -205,8 +205,8 @@ pub trait RoundWork: Send + Sync {
     /// The payload gate (`gasloc_proto::gate`): checks the values of the round's payloads
     /// that passed the exchange, before any is mixed, and returns one verdict per
     /// candidate. A refused payload is mixed as missing. Called after each round's exchange
-    /// (a round without neighbours has none) and before [`Self::finish`]. The default accepts every payload: for a
-    /// trainer whose payload is no model (the synthetic trainer's random bytes).
+    /// (a round without neighbours has none) and before [`Self::finish`]. The default accepts every
+    /// payload: for a trainer whose payload is no model (the synthetic trainer's random bytes).
     fn screen(&mut self, _round: u64, candidates: Vec<Candidate>) -> WorkFuture<Vec<Screened>> {
         Box::pin(async move {
             Ok(candidates

@@ -464,7 +464,7 @@ fn default_eval_batches() -> usize {
     8
 }
 
-/// The distributed algorithm of a run (ALGORITHMS.md §1, §5).
+/// The distributed algorithm of a run (`docs/algorithms.md`, "A round").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Algorithm {
@@ -500,12 +500,12 @@ pub enum Payload {
     ModelFp32,
     /// The local model `x_i`, rounded to bf16.
     ModelBf16,
-    /// Rank-r pseudo-gradient factors with error feedback (ALGORITHMS.md §4.2); needs
-    /// `outer.inner_optimizer = "lordo"`.
+    /// Rank-r pseudo-gradient factors with error feedback (`docs/algorithms.md`, "The `lordo`
+    /// payload"); needs `outer.inner_optimizer = "lordo"`.
     Lordo,
 }
 
-/// How a round's exchange overlaps the next round's inner steps (ALGORITHMS.md, `docs/algorithms.md`
+/// How a round's exchange overlaps the next round's inner steps (`docs/algorithms.md`,
 /// "Overlapped rounds"). Left out, [`Overlap::default_for`] decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

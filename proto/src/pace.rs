@@ -1,6 +1,6 @@
-//! How many inner steps a worker takes in a round (H_i, `ALGORITHMS.md` §2), and the moving
-//! averages its prediction rests on — torch-free, so that the simulator (`gasloc-node sim`)
-//! and the networked node (`gasloc-node join`) run one rule and one estimator.
+//! How many inner steps a worker takes in a round (H_i, `docs/algorithms.md`, "Adaptive H_i"), and
+//! the moving averages its prediction rests on — torch-free, so that the simulator (`gasloc-node
+//! sim`) and the networked node (`gasloc-node join`) run one rule and one estimator.
 //!
 //! * [`InnerSteps::for_budget`]: `H_i = clamp(floor((T_round − C_i) / t_step), H_min, H_max)`
 //!   with adaptive H_i, else H. The caller supplies the budget `T_round − C_i`: the simulator

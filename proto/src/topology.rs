@@ -2,19 +2,19 @@
 //! the networked node derive the same graph from the same round seed.
 //!
 //! * [`permutation`]: Fisher–Yates over `0..n` driven by ChaCha20 keyed with the round's
-//!   32-byte seed (ALGORITHMS.md §3). The index draw is spelled out here (rejection sampling on
-//!   `next_u64`) instead of borrowed from `rand`'s `shuffle`, so the permutation is fixed by
-//!   this file alone and cannot change with a `rand` upgrade.
+//!   32-byte seed (`docs/algorithms.md`, "Topologies and permutations"). The index draw is spelled
+//!   out here (rejection sampling on `next_u64`) instead of borrowed from `rand`'s `shuffle`, so
+//!   the permutation is fixed by this file alone and cannot change with a `rand` upgrade.
 //! * [`Topology::mixing`]: the round's mixing matrix, one [`MixingRow`] per worker, with
 //!   weights kept as exact fractions `count / denominator` (every weight of the four
 //!   topologies is `1/k`, `c/k` once missing neighbours are folded back into self, or
 //!   `1/(k−m)` once m are left out of the complete topology's mean).
 //! * [`MixingRow::without`]: a neighbour that did not arrive is dropped and its weight goes
 //!   where the topology's [`MissingWeight`] says: back to self on the gossip topologies
-//!   (ALGORITHMS.md §1), over the members that arrived on the complete one (DiLoCo's mean over
-//!   the workers that reported). Either way the row stays stochastic. [`Topology::round_row`]
-//!   is one worker's row of a round with its missing neighbours so dropped (what the node and
-//!   the simulator apply).
+//!   (`docs/algorithms.md`, "A round"), over the members that arrived on the complete one (DiLoCo's
+//!   mean over the workers that reported). Either way the row stays stochastic.
+//!   [`Topology::round_row`] is one worker's row of a round with its missing neighbours so dropped
+//!   (what the node and the simulator apply).
 //! * [`sim_round_seed`]: how the simulator derives a round's seed from the run seed.
 
 use rand_chacha::rand_core::{RngCore, SeedableRng};
@@ -147,8 +147,9 @@ impl Topology {
 /// The row stays stochastic either way.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MissingWeight {
-    /// Back to self (ALGORITHMS.md §1, step 3): the gossip topologies, where a worker has one
-    /// or two neighbours and the partner that did arrive keeps the weight the matrix gave it.
+    /// Back to self (`docs/algorithms.md`, "A round", step 3): the gossip topologies, where a
+    /// worker has one or two neighbours and the partner that did arrive keeps the weight the matrix
+    /// gave it.
     ToSelf,
     /// Over the rest of the row, in proportion to its weights: on the complete topology, the
     /// mean over the members whose models arrived, which is what DiLoCo does when a worker
@@ -396,7 +397,8 @@ mod tests {
                 }
             }
         }
-        // Two-peer, one of two neighbours missing: ⅔ self, ⅓ the other (ALGORITHMS.md §1).
+        // Two-peer, one of two neighbours missing: ⅔ self, ⅓ the other (`docs/algorithms.md`, "A
+        // round").
         let row = Topology::TwoPeer.round_row(&[0, 1, 2], 1, &[2]);
         assert_eq!(
             (row.weight(1), row.weight(0), row.weight(2)),

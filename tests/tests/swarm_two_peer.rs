@@ -2,7 +2,7 @@
 //! fixed H; a node that expects another run is refused before it trains; a live node's
 //! status endpoint serves its status (terminal client), its JSON and its metrics; and when a
 //! node is killed after the round is decided, each of its two partners mixes it as missing:
-//! ⅔ itself, ⅓ its other neighbour (ALGORITHMS.md §1), and goes on.
+//! ⅔ itself, ⅓ its other neighbour (`docs/algorithms.md`, "A round"), and goes on.
 
 use gasloc_tests::{
     built_binary, field, http_get, join_command, prepare_byte_data, read_report, start_bootstrap,

@@ -1,6 +1,6 @@
-//! LoRDO's inner optimizer (ALGORITHMS.md §4.1): low-rank Adam with error feedback and a
-//! full-rank quasi-hyperbolic term, for the attention and MLP matrices; every other tensor
-//! (embeddings, norms, LM head) takes plain AdamW.
+//! LoRDO's inner optimizer (`docs/algorithms.md`, "LoRDO inner optimizer"): low-rank Adam with
+//! error feedback and a full-rank quasi-hyperbolic term, for the attention and MLP matrices; every
+//! other tensor (embeddings, norms, LM head) takes plain AdamW.
 //!
 //! A projected weight `W ∈ R^{m×n}` keeps a basis `Q` of rank `r = min(rank, m, n)` — right
 //! singular vectors (`Q ∈ R^{n×r}`, `g = G·Q`) when `m ≥ n`, left ones (`Q ∈ R^{m×r}`,

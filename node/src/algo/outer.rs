@@ -1,5 +1,6 @@
 //! The end of a round on named tensors: the mixed pseudo-gradient and the outer step
-//! (ALGORITHMS.md §1, steps 3–4). The simulator and the networked node both call these.
+//! (`docs/algorithms.md`, "A round", steps 3–4). The simulator and the networked node both call
+//! these.
 //!
 //! A model is a list of tensors in the trainer's parameter order. The mixing is written in
 //! pseudo-gradient form, `Δ_i = Σ_j w_ij·(θ_i − x_j) = θ_i − x̄_i` (the rows are stochastic), with

@@ -2,11 +2,11 @@
 //!
 //! * `model-fp32`: the local model `x_i`, exact; 4 bytes per parameter.
 //! * `model-bf16`: `x_i` rounded to bf16 (round to nearest even); 2 bytes per parameter.
-//! * `lordo` (our gossip adaptation of LoRDO, ALGORITHMS.md §4.2): the pseudo-gradient
-//!   `Δ_i = θ_i − x_i` plus the worker's payload error `E`, `A = Δ_i + E`; each projected matrix
-//!   goes as the top-r factors of `A` itself, `U_r` and `Σ_r·V_rᵀ` (its truncated SVD), both
-//!   in bf16: `r·(m+n)` values instead of `m·n`; every other tensor goes whole in bf16. The
-//!   sender keeps `E ← A − decoded(A)`, so what is cut or rounded is sent in a later round
+//! * `lordo` (our gossip adaptation of LoRDO, `docs/algorithms.md`, "The `lordo` payload"): the
+//!   pseudo-gradient `Δ_i = θ_i − x_i` plus the worker's payload error `E`, `A = Δ_i + E`; each
+//!   projected matrix goes as the top-r factors of `A` itself, `U_r` and `Σ_r·V_rᵀ` (its truncated
+//!   SVD), both in bf16: `r·(m+n)` values instead of `m·n`; every other tensor goes whole in bf16.
+//!   The sender keeps `E ← A − decoded(A)`, so what is cut or rounded is sent in a later round
 //!   (error feedback).
 //!
 //!   The factors are `A`'s own, not `A` projected through the worker's LoRDO basis `Q`: a

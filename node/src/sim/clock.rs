@@ -1,5 +1,5 @@
 //! The simulator's network and clock: per-worker link bandwidths, the time an exchange
-//! takes, who waits for whom, and the adaptive H_i rule (ALGORITHMS.md §2).
+//! takes, who waits for whom, and the adaptive H_i rule (`docs/algorithms.md`, "Adaptive H_i").
 //!
 //! Model. Worker i has a symmetric link of `bandwidth_i` bytes/s. A transfer between i and j
 //! runs at `min(bandwidth_i, bandwidth_j)`; a worker sends its payload to its neighbours one

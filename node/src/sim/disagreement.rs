@@ -1,11 +1,11 @@
 //! The contraction of a pure disagreement under repeated mixing: experiment 3 of
 //! `docs/results.md`, the χ → √χ claim where it lives.
 //!
-//! The GASLoC paper (ALGORITHMS.md §1) says outer Nesterov momentum acts as gossip
-//! acceleration: the consensus error contracts at a rate set by √χ instead of χ, the inverse
-//! spectral gap of the mixing. In training that rate is hidden by the fresh disagreement each
-//! round's local steps inject, so this measures it alone: n workers start from anchors that
-//! differ (a common vector plus independent noise), take no local steps (each worker's
+//! The GASLoC paper (`docs/algorithms.md`, "A round", why outer momentum) says outer Nesterov
+//! momentum acts as gossip acceleration: the consensus error contracts at a rate set by √χ instead
+//! of χ, the inverse spectral gap of the mixing. In training that rate is hidden by the fresh
+//! disagreement each round's local steps inject, so this measures it alone: n workers start from
+//! anchors that differ (a common vector plus independent noise), take no local steps (each worker's
 //! "local model" is its anchor, `x_i = θ_i`), and every round each one mixes with its
 //! neighbours of that round and takes its outer step, with the same functions as the
 //! simulator and the node: the round's permutation ([`permutation`], [`sim_round_seed`]), the

@@ -1,8 +1,8 @@
 //! The simulator: N workers of one run in one process, each a [`Trainer`] with its own data
 //! stream, running the round math of [`crate::algo`] exactly as the networked node does.
 //!
-//! A round (ALGORITHMS.md §1): every worker starts from its anchor `θ_i`, takes `H_i` inner
-//! steps, then mixes over the round's topology (permutation from
+//! A round (`docs/algorithms.md`, "A round"): every worker starts from its anchor `θ_i`, takes
+//! `H_i` inner steps, then mixes over the round's topology (permutation from
 //! [`gasloc_proto::topology::sim_round_seed`]`(run seed, round)`) or all-reduces (DiLoCo), and
 //! takes its outer step; `ddp` instead averages gradients every step. With a LoRDO inner
 //! optimizer the round's mixed pseudo-gradient refreshes the bases.
