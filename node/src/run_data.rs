@@ -29,7 +29,7 @@ use gasloc_p2p::shard_service::{ShardCatalog, ShardServeConfig, ShardService, MA
 use gasloc_p2p::swarm_node::SwarmNode;
 use gasloc_p2p::upload_limit::UploadLimiter;
 use gasloc_p2p::PeerId;
-use gasloc_proto::{RunManifest, ShardEntry, Split};
+use gasloc_proto::{RefusalKind, RunManifest, ShardEntry, Split};
 use gasloc_status::NodeStatus;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -436,7 +436,7 @@ fn record_report(
             bad.reason
         );
         if let (true, ShardSource::Peer(peer)) = (bad.wrong_bytes, &bad.source) {
-            offences.post(*peer, "bad_shard");
+            offences.post(*peer, RefusalKind::BadShard);
         }
     }
 }

@@ -349,7 +349,9 @@ async fn on_the_default_overlap_a_fragment_inside_the_distance_bound_that_harms_
     let _serial = ONE_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
     // The functional check's bound set (the default, inf, refuses only a non-finite loss).
-    let run = default_run_text("[gate]\nmax_loss_increase = 0.3\n");
+    // The peers are random, so the data and the losses are too: the honest mix lay 0.85
+    // nats below its reference and the harmful one 0.31–0.81 above in the runs seen.
+    let run = default_run_text("[gate]\nmax_loss_increase = 0.1\n");
     let (mut a, mut twin, _) = trained_twins(dir.path(), &run).await;
     let mut b = volunteer_with(dir.path(), "b", &run);
     let honest = train(&mut b).await;
@@ -376,7 +378,11 @@ async fn on_the_default_overlap_a_fragment_inside_the_distance_bound_that_harms_
     let screened = a.screen(0, candidates).await.unwrap();
     let kinds: Vec<&str> = screened
         .iter()
-        .map(|s| s.verdict.as_ref().map_or_else(|r| r.kind(), |_| "ok"))
+        .map(|s| {
+            s.verdict
+                .as_ref()
+                .map_or_else(|r| r.kind().as_str(), |_| "ok")
+        })
         .collect();
     assert_eq!(kinds, ["ok", "harmful"], "{:?}", screened[1].verdict);
     let ratio = gasloc_proto::manifest::GateConfig::default().max_distance_ratio;

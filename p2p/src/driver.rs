@@ -14,7 +14,7 @@
 use crate::exchange::{ExchangeError, OutgoingPayload, SendOptions};
 use crate::exchange_service::{ExchangeResults, ExchangeService};
 use crate::network::{unix_ms, Client, NetworkEvent};
-use crate::peer_standing::{is_offence, BanFile, OffenceInbox, PeerStanding};
+use crate::peer_standing::{Ban, BanFile, OffenceInbox, PeerStanding};
 pub use crate::round_machine::RoundRecord;
 use crate::round_machine::{Input, MachineConfig, Outcome, Output, RoundMachine, StatusChange};
 use crate::schedule::{RoundSchedule, Timing};
@@ -140,7 +140,8 @@ impl RoundDriver {
             schedule,
             StdRng::from_rng(&mut rand::rng()),
             unix_ms(),
-        );
+        )
+        .with_standing(self.options.standing.clone());
         // What the machine must not see: the round's payload, and what arrived.
         let mut deadline = TrainDeadline::default();
         let mut payload: Option<Arc<OutgoingPayload>> = None;
@@ -154,16 +155,19 @@ impl RoundDriver {
         // The round `finishing` finishes (with overlapped rounds not the one training).
         let mut finishing_round = 0;
         let mut records = Vec::new();
-        // Bans from an earlier life of this node hold from the start; the round's banned
-        // neighbours are mixed as missing without an exchange.
-        let mut standing = self.options.standing.clone();
-        for ban in standing.bans() {
+        // Bans from an earlier life of this node hold from the start (the machine refuses a
+        // banned neighbour without an exchange; the network refuses its connections).
+        for ban in machine.standing().bans() {
             if let Ok(peer) = ban.peer.parse::<PeerId>() {
                 let _ = self.client.ban(peer).await;
             }
         }
-        self.publish_standing(&standing, 0);
-        let mut banned_neighbours: Vec<PeerId> = Vec::new();
+        self.apply(StatusChange::Standing {
+            banned: machine.standing().bans().cloned().collect(),
+            scores: machine.standing().scores(0),
+        });
+        // Whether a ban came in this batch of outputs (the ban list is written once).
+        let mut banned_now = false;
         let mut stopping = false;
         let mut outcome = Ok(());
         let mut outputs = machine.handle(Input::Tick, unix_ms());
@@ -187,9 +191,6 @@ impl RoundDriver {
                     }
                     Output::MoveDeadline { deadline_ms, .. } => deadline.set(deadline_ms),
                     Output::StartExchange { round, neighbours } => {
-                        let (banned, neighbours): (Vec<PeerId>, Vec<PeerId>) =
-                            neighbours.into_iter().partition(|p| standing.is_banned(p));
-                        banned_neighbours = banned;
                         tracing::info!(
                             "round {round}: exchange started with {} neighbour(s)",
                             neighbours.len()
@@ -268,13 +269,23 @@ impl RoundDriver {
                                 record.gate = readings;
                             }
                         }
-                        self.judge_peers(&mut standing, &record).await;
                         self.publish_record(&record);
                         on_record(&record);
                         records.push(*record);
                     }
+                    Output::Ban { peer, .. } => {
+                        let _ = self.client.ban(peer).await;
+                        banned_now = true;
+                    }
+                    Output::Score { peer, score } => {
+                        let _ = self.client.set_score(peer, score).await;
+                    }
                     Output::Status(change) => self.apply(change),
                 }
+            }
+            if std::mem::take(&mut banned_now) {
+                self.keep_bans(machine.standing().bans().cloned().collect())
+                    .await;
             }
             if machine.is_done() {
                 break;
@@ -333,18 +344,9 @@ impl RoundDriver {
                 done = work_opt(&mut screening) => {
                     screening = None;
                     match done {
-                        Ok(Gated { round, results, mut outcomes, took, readings }) => {
+                        Ok(Gated { round, results, outcomes, took, readings }) => {
                             gate_took = Some((round, took, readings));
                             arrived = results;
-                            outcomes.extend(banned_neighbours.drain(..).map(|peer| {
-                                let reason = "banned by this node for the rest of the run";
-                                (peer, Outcome::Refused {
-                                    kind: "banned".into(),
-                                    reason: reason.into(),
-                                    bytes: 0,
-                                    gross: false,
-                                })
-                            }));
                             Input::Exchanged { round, outcomes }
                         }
                         Err(e) => {
@@ -370,7 +372,12 @@ impl RoundDriver {
                     }
                 }
             };
-            outputs = machine.handle(input, unix_ms());
+            let now = unix_ms();
+            let posted = self.options.offences.take();
+            if !posted.is_empty() {
+                outputs.extend(machine.handle(Input::Offences(posted), now));
+            }
+            outputs.extend(machine.handle(input, now));
         }
         self.set_state(NodeState::Stopping);
         // Partners may still be reading the last bytes this node sent: keep the swarm up for
@@ -388,76 +395,18 @@ impl RoundDriver {
         Ok(records)
     }
 
-    /// Counts the round's offences against their peers (refused payloads, withheld reveals,
-    /// and those posted to the inbox since the last round), lowers their gossipsub scores,
-    /// and bans the peers that reached the limit: their connections are refused from now
-    /// on, the ban is written to the node's home, and `/status` shows it.
-    async fn judge_peers(&self, standing: &mut PeerStanding, record: &RoundRecord) {
-        let round = record.round;
-        let in_round = record
-            .refused
-            .iter()
-            .map(|r| (r.peer.as_str(), r.kind.as_str(), r.gross))
-            .chain(
-                record
-                    .withheld
-                    .iter()
-                    .map(|p| (p.as_str(), "withheld_reveal", false)),
-            )
-            .filter_map(|(peer, kind, gross)| Some((peer.parse::<PeerId>().ok()?, kind, gross)));
-        let posted = self.options.offences.take();
-        let offences = in_round
-            .chain(posted.iter().map(|&(peer, kind)| (peer, kind, false)))
-            .filter(|(_, kind, _)| is_offence(kind));
-        let mut offenders = Vec::new();
-        let mut banned = false;
-        for (peer, kind, gross) in offences {
-            let offended = match gross {
-                true => standing.offend_grossly(peer, round, kind),
-                false => standing.offend(peer, round, kind),
-            };
-            match offended {
-                Some(ban) => {
-                    tracing::warn!(
-                        round,
-                        %peer,
-                        offences = ?ban.offences,
-                        "peer banned for the rest of the run"
-                    );
-                    let _ = self.client.ban(peer).await;
-                    banned = true;
-                }
-                None => offenders.push(peer),
-            }
+    /// Writes the bans to the node's home (when it keeps them), so a restarted node keeps
+    /// them.
+    async fn keep_bans(&self, bans: Vec<Ban>) {
+        let Some(path) = self.options.ban_file.clone() else {
+            return;
+        };
+        let run_id = self.run_id;
+        let saved =
+            tokio::task::spawn_blocking(move || BanFile::save(&path, run_id, bans.iter())).await;
+        if let Ok(Err(e)) | Err(e) = saved.map_err(std::io::Error::other) {
+            tracing::error!(error = %e, "cannot write the ban list");
         }
-        for peer in offenders {
-            let _ = self
-                .client
-                .set_score(peer, standing.score(&peer, round))
-                .await;
-        }
-        if banned {
-            if let Some(path) = self.options.ban_file.clone() {
-                let (run_id, bans) = (self.run_id, standing.bans().cloned().collect::<Vec<_>>());
-                let saved =
-                    tokio::task::spawn_blocking(move || BanFile::save(&path, run_id, bans.iter()))
-                        .await;
-                if let Ok(Err(e)) | Err(e) = saved.map_err(std::io::Error::other) {
-                    tracing::error!(error = %e, "cannot write the ban list");
-                }
-            }
-        }
-        self.publish_standing(standing, round);
-    }
-
-    /// The bans and scores into the `/status` document.
-    fn publish_standing(&self, standing: &PeerStanding, round: u64) {
-        let banned = standing.bans().cloned().collect();
-        let scores = standing.scores(round);
-        self.status.send_modify(|s| {
-            s.banned = banned;
-            s.scores = scores;
-        });
     }
 
     /// Carries a status change of the machine into the `/status` document.
@@ -484,6 +433,10 @@ impl RoundDriver {
             }
             StatusChange::Agreeing => s.state = NodeState::Agreeing,
             StatusChange::Exchanging => s.state = NodeState::Exchanging,
+            StatusChange::Standing { banned, scores } => {
+                s.banned = banned;
+                s.scores = scores;
+            }
             StatusChange::Stopping => s.state = NodeState::Stopping,
         });
     }
@@ -550,7 +503,7 @@ fn outcome_of(
         },
         Err(e) => match e.refusal_kind() {
             Some(kind) => Outcome::Refused {
-                kind: kind.into(),
+                kind,
                 reason: e.to_string(),
                 bytes: 0,
                 gross: false,
@@ -625,7 +578,7 @@ fn screen(work: &mut dyn RoundWork, round: u64, mut results: ExchangeResults) ->
                     outcomes.push((
                         *peer,
                         Outcome::Refused {
-                            kind: refusal.kind().into(),
+                            kind: refusal.kind(),
                             reason: refusal.to_string(),
                             bytes: candidate.tensors.byte_length(),
                             gross: refusal.is_gross(),

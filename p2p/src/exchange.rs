@@ -17,7 +17,7 @@ use gasloc_proto::wire::{
     DType, Encoding, ExchangeHeader, PayloadKind, Refusal, RefusalReason, StateRequest,
     TensorEntry, DIGEST_LEN,
 };
-use gasloc_proto::RunId;
+use gasloc_proto::{RefusalKind, RunId};
 use libp2p::PeerId;
 use prost::Message;
 use std::sync::Arc;
@@ -108,20 +108,20 @@ impl ExchangeError {
         })
     }
 
-    /// The short name of the refusal for this error (`table_mismatch`, …), if it is the
-    /// sender's fault: how `/status` and `/metrics` count refused payloads.
-    pub fn refusal_kind(&self) -> Option<&'static str> {
+    /// The kind of the refusal for this error (`table_mismatch`, …), if it is the sender's
+    /// fault: how records, `/status` and `/metrics` count refused payloads.
+    pub fn refusal_kind(&self) -> Option<RefusalKind> {
         Some(match self.refusal_reason()? {
-            RefusalReason::Unspecified => "unspecified",
-            RefusalReason::WrongRun => "wrong_run",
-            RefusalReason::OldRound => "old_round",
-            RefusalReason::FutureRound => "future_round",
-            RefusalReason::NotANeighbour => "not_a_neighbour",
-            RefusalReason::TableMismatch => "table_mismatch",
-            RefusalReason::TooLarge => "too_large",
-            RefusalReason::Busy => "busy",
-            RefusalReason::NoState => "no_state",
-            RefusalReason::RoundClosed => "round_closed",
+            RefusalReason::Unspecified => RefusalKind::Unspecified,
+            RefusalReason::WrongRun => RefusalKind::WrongRun,
+            RefusalReason::OldRound => RefusalKind::OldRound,
+            RefusalReason::FutureRound => RefusalKind::FutureRound,
+            RefusalReason::NotANeighbour => RefusalKind::NotANeighbour,
+            RefusalReason::TableMismatch => RefusalKind::TableMismatch,
+            RefusalReason::TooLarge => RefusalKind::TooLarge,
+            RefusalReason::Busy => RefusalKind::Busy,
+            RefusalReason::NoState => RefusalKind::NoState,
+            RefusalReason::RoundClosed => RefusalKind::RoundClosed,
         })
     }
 }

@@ -19,7 +19,7 @@
 //! names the run, and bans of another run are not loaded.
 
 use gasloc_proto::manifest::GateConfig;
-use gasloc_proto::RunId;
+use gasloc_proto::{RefusalKind, RunId};
 use libp2p::PeerId;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -30,23 +30,11 @@ use std::sync::{Arc, Mutex};
 /// and its application weight 10, so a banned peer is graylisted at once).
 pub const BANNED_SCORE: f64 = -1000.0;
 
-/// Refusal kinds that are offences (see the module doc).
-pub const OFFENCES: &[&str] = &[
-    "non_finite",
-    "too_far",
-    "misaligned",
-    "harmful",
-    "malformed",
-    "table_mismatch",
-    "too_large",
-    "state_disagrees",
-    "withheld_reveal",
-    "bad_shard",
-];
-
-/// Whether a refusal of `kind` counts against the peer.
+/// Whether a refusal named `kind` (as records write it) counts against the peer
+/// ([`RefusalKind::is_offence`]); a name that is no kind is not.
 pub fn is_offence(kind: &str) -> bool {
-    OFFENCES.contains(&kind)
+    kind.parse::<RefusalKind>()
+        .is_ok_and(RefusalKind::is_offence)
 }
 
 /// Offences found beside the rounds rather than in them — shard bytes that fail the pinned
@@ -55,7 +43,7 @@ pub fn is_offence(kind: &str) -> bool {
 /// cloneable handle.
 #[derive(Debug, Clone, Default)]
 pub struct OffenceInbox {
-    posted: Arc<Mutex<Vec<(PeerId, &'static str)>>>,
+    posted: Arc<Mutex<Vec<(PeerId, RefusalKind)>>>,
 }
 
 impl OffenceInbox {
@@ -63,8 +51,8 @@ impl OffenceInbox {
         Self::default()
     }
 
-    /// `peer` committed an offence of `kind` (one of [`OFFENCES`]).
-    pub fn post(&self, peer: PeerId, kind: &'static str) {
+    /// `peer` committed an offence of `kind`.
+    pub fn post(&self, peer: PeerId, kind: RefusalKind) {
         self.posted
             .lock()
             .expect("offence inbox lock")
@@ -72,7 +60,7 @@ impl OffenceInbox {
     }
 
     /// The offences posted since the last take, oldest first.
-    pub fn take(&self) -> Vec<(PeerId, &'static str)> {
+    pub fn take(&self) -> Vec<(PeerId, RefusalKind)> {
         std::mem::take(&mut *self.posted.lock().expect("offence inbox lock"))
     }
 }
@@ -86,7 +74,7 @@ pub struct PeerStanding {
     offences_to_ban: u32,
     window_rounds: u64,
     /// Offences in the window, per peer: `(round, kind)`, oldest first.
-    recent: HashMap<PeerId, VecDeque<(u64, String)>>,
+    recent: HashMap<PeerId, VecDeque<(u64, RefusalKind)>>,
     banned: BTreeMap<PeerId, Ban>,
 }
 
@@ -115,24 +103,24 @@ impl PeerStanding {
 
     /// Records that `peer` committed offence `kind` in `round` (a kind that is no offence
     /// is ignored). Returns the ban when this offence makes it.
-    pub fn offend(&mut self, peer: PeerId, round: u64, kind: &str) -> Option<Ban> {
+    pub fn offend(&mut self, peer: PeerId, round: u64, kind: RefusalKind) -> Option<Ban> {
         self.record(peer, round, kind, false)
     }
 
     /// Records a gross offence (garbage beyond doubt: the payload gate's
     /// `Refusal::is_gross`), which bans `peer` at once, whatever its offences before (unless
     /// bans are off, `ban_after_offences = 0`: then it counts as one).
-    pub fn offend_grossly(&mut self, peer: PeerId, round: u64, kind: &str) -> Option<Ban> {
+    pub fn offend_grossly(&mut self, peer: PeerId, round: u64, kind: RefusalKind) -> Option<Ban> {
         self.record(peer, round, kind, true)
     }
 
-    fn record(&mut self, peer: PeerId, round: u64, kind: &str, gross: bool) -> Option<Ban> {
-        if !is_offence(kind) || self.is_banned(&peer) {
+    fn record(&mut self, peer: PeerId, round: u64, kind: RefusalKind, gross: bool) -> Option<Ban> {
+        if !kind.is_offence() || self.is_banned(&peer) {
             return None;
         }
         let window = self.window_rounds;
         let recent = self.recent.entry(peer).or_default();
-        recent.push_back((round, kind.to_string()));
+        recent.push_back((round, kind));
         while recent.front().is_some_and(|(r, _)| r + window <= round) {
             recent.pop_front();
         }
@@ -249,14 +237,14 @@ mod tests {
     fn k_offences_within_the_window_ban_and_older_ones_expire() {
         let peer = PeerId::random();
         let mut s = standing(3, 10);
-        assert!(s.offend(peer, 1, "too_far").is_none());
-        assert!(s.offend(peer, 5, "non_finite").is_none());
+        assert!(s.offend(peer, 1, RefusalKind::TooFar).is_none());
+        assert!(s.offend(peer, 5, RefusalKind::NonFinite).is_none());
         assert_eq!(s.score(&peer, 5), -2.0);
         // Round 11: the offence of round 1 left the window.
-        assert!(s.offend(peer, 11, "too_far").is_none());
+        assert!(s.offend(peer, 11, RefusalKind::TooFar).is_none());
         assert_eq!(s.score(&peer, 11), -2.0);
         let ban = s
-            .offend(peer, 12, "misaligned")
+            .offend(peer, 12, RefusalKind::Misaligned)
             .expect("the third in ten rounds");
         assert_eq!(ban.round, 12);
         assert_eq!(
@@ -265,7 +253,10 @@ mod tests {
         );
         assert!(s.is_banned(&peer));
         assert_eq!(s.score(&peer, 12), BANNED_SCORE);
-        assert!(s.offend(peer, 13, "too_far").is_none(), "banned once");
+        assert!(
+            s.offend(peer, 13, RefusalKind::TooFar).is_none(),
+            "banned once"
+        );
     }
 
     #[test]
@@ -273,16 +264,16 @@ mod tests {
         let peer = PeerId::random();
         let mut s = standing(1, 10);
         for kind in [
-            "not_a_neighbour",
-            "busy",
-            "old_round",
-            "future_round",
-            "timeout",
+            RefusalKind::NotANeighbour,
+            RefusalKind::Busy,
+            RefusalKind::OldRound,
+            RefusalKind::FutureRound,
+            RefusalKind::RoundClosed,
         ] {
             assert!(s.offend(peer, 1, kind).is_none(), "{kind}");
         }
         assert_eq!(s.score(&peer, 1), 0.0);
-        assert!(s.offend(peer, 2, "withheld_reveal").is_some());
+        assert!(s.offend(peer, 2, RefusalKind::WithheldReveal).is_some());
     }
 
     #[test]
@@ -290,9 +281,9 @@ mod tests {
         let peer = PeerId::random();
         let mut s = standing(0, 10);
         for round in 0..20 {
-            assert!(s.offend(peer, round, "too_far").is_none());
+            assert!(s.offend(peer, round, RefusalKind::TooFar).is_none());
         }
-        assert!(s.offend_grossly(peer, 20, "non_finite").is_none());
+        assert!(s.offend_grossly(peer, 20, RefusalKind::NonFinite).is_none());
         assert_eq!(s.score(&peer, 20), -10.0);
     }
 
@@ -300,15 +291,15 @@ mod tests {
     fn one_gross_offence_bans_at_once_and_counts_with_those_before() {
         let peer = PeerId::random();
         let mut s = standing(3, 10);
-        assert!(s.offend(peer, 1, "harmful").is_none());
+        assert!(s.offend(peer, 1, RefusalKind::Harmful).is_none());
         let ban = s
-            .offend_grossly(peer, 2, "too_far")
+            .offend_grossly(peer, 2, RefusalKind::TooFar)
             .expect("garbage beyond doubt bans at its first");
         assert_eq!(ban.offences, ["1:harmful", "2:too_far"]);
         assert!(s.is_banned(&peer));
         // A kind that is no offence is none, gross or not.
         let other = PeerId::random();
-        assert!(s.offend_grossly(other, 3, "timeout").is_none());
+        assert!(s.offend_grossly(other, 3, RefusalKind::Busy).is_none());
         assert!(!s.is_banned(&other));
     }
 
@@ -320,7 +311,7 @@ mod tests {
         assert_eq!(BanFile::load(&path, run), Ok(Vec::new()), "no file yet");
         let peer = PeerId::random();
         let mut s = standing(1, 10);
-        s.offend(peer, 4, "non_finite").unwrap();
+        s.offend(peer, 4, RefusalKind::NonFinite).unwrap();
         BanFile::save(&path, run, s.bans()).unwrap();
 
         let loaded = BanFile::load(&path, run).unwrap();

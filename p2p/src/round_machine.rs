@@ -4,8 +4,9 @@
 //! It owns everything a round decides: when to commit to a round (with an `Announce` of
 //! this node's step time and link), when a round starts and its inner steps' deadline, when
 //! the exchange starts, which mixing row the outer step applies, what the round record
-//! says, and when the node is done. It owns the commit-reveal ([`RoundSchedule`]) and the
-//! link estimates ([`LinkEstimates`]). It does no I/O and sees no tensor, only sizes: the
+//! says, and when the node is done. It owns the commit-reveal ([`RoundSchedule`]), the
+//! link estimates ([`LinkEstimates`]) and what this node holds against its peers
+//! ([`PeerStanding`]: offences and bans). It does no I/O and sees no tensor, only sizes: the
 //! caller (the async [`RoundDriver`], or a simulation) feeds it [`Input`]s with the time and
 //! carries out the [`Output`]s it returns, and calls again at [`RoundMachine::next_wakeup`].
 //!
@@ -25,8 +26,11 @@
 //!   with every neighbour that sent nothing usable removed and its weight placed by the
 //!   topology (returned to self; spread over the rest on the complete topology)
 //!   ([`RoundPlan::mixing_row`]);
-//! * when the outer step is done the round's [`RoundRecord`] is written and the next round
-//!   may start.
+//! * when the outer step is done the round's offences are counted against their peers (a
+//!   payload refused for its contents, a reveal withheld, an offence reported beside the
+//!   rounds with [`Input::Offences`]); a peer that reaches the limit is banned
+//!   ([`Output::Ban`]), and from then on a banned neighbour is refused without an exchange;
+//!   the round's [`RoundRecord`] is written and the next round may start.
 //!
 //! A stop withdraws every round not yet revealed (the swarm leaves this node out of them
 //! alike), starts no new round and lets the round in flight finish, so its partners get
@@ -36,18 +40,21 @@
 //! [`RoundDriver`]: crate::driver::RoundDriver
 
 use crate::links::{train_deadline, LinkEstimates};
+use crate::peer_standing::{Ban, PeerStanding};
 use crate::schedule::{Action, RoundPlan, RoundSchedule, Timing};
 use gasloc_proto::fragments::fragment_of_round;
 use gasloc_proto::manifest::is_full_sync_round;
+use gasloc_proto::manifest::GateConfig;
 use gasloc_proto::pace::MovingAverage;
 use gasloc_proto::topology::{MixingRow, Topology};
 use gasloc_proto::wire::{control_message::Body, Announce, Commit, ControlMessage, Reveal};
+use gasloc_proto::RefusalKind;
 pub use gasloc_status::RoundRecord;
 use gasloc_status::{RefusedPayload, TrainerTime};
 use libp2p::PeerId;
 use rand::rngs::StdRng;
 use rand::RngCore;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 /// What the machine needs besides the schedule.
@@ -130,6 +137,9 @@ pub enum Input {
     },
     /// The round's mixing and outer step are done.
     Finished { round: u64, val_loss: Option<f64> },
+    /// Offences found beside the rounds (shard bytes that fail their digest), counted with
+    /// the next round's own.
+    Offences(Vec<(PeerId, RefusalKind)>),
     /// Leave the swarm.
     Stop,
 }
@@ -145,7 +155,7 @@ pub enum Outcome {
     /// `bytes` were received (the whole payload when the gate refused it, after a complete
     /// swap; 0 when the exchange did).
     Refused {
-        kind: String,
+        kind: RefusalKind,
         reason: String,
         bytes: u64,
         /// Garbage beyond doubt (the payload gate's `Refusal::is_gross`): one such offence
@@ -154,6 +164,16 @@ pub enum Outcome {
     },
     /// No payload: a timeout, a lost stream, or the peer refused this node's.
     Failed(String),
+}
+
+/// A banned neighbour's outcome: refused without an exchange.
+fn banned_outcome() -> Outcome {
+    Outcome::Refused {
+        kind: RefusalKind::Banned,
+        reason: BANNED_REASON.into(),
+        bytes: 0,
+        gross: false,
+    }
 }
 
 /// What the caller must do, in order.
@@ -174,6 +194,12 @@ pub enum Output {
         mixing: MixingRow,
         arrived: Vec<(usize, PeerId)>,
     },
+    /// `peer` is banned for the rest of the run: refuse its connections and keep the ban
+    /// (the machine refuses it as a neighbour from now on).
+    Ban { peer: PeerId, ban: Ban },
+    /// `peer`'s standing changed without a ban: its gossipsub application score
+    /// ([`PeerStanding::score`]).
+    Score { peer: PeerId, score: f64 },
     /// The round is over: what this node saw and did.
     Record(Box<RoundRecord>),
     /// The node's `/status` document changed.
@@ -195,6 +221,12 @@ pub enum StatusChange {
     },
     Agreeing,
     Exchanging,
+    /// The bans and the scores of the peers with offences (by peer id), after a round's
+    /// offences were counted.
+    Standing {
+        banned: Vec<Ban>,
+        scores: BTreeMap<String, f64>,
+    },
     /// The node is leaving.
     Stopping,
 }
@@ -231,6 +263,8 @@ struct InFlight {
     exchange_started_ms: Option<u64>,
     exchange_done_ms: Option<u64>,
     outcomes: Vec<(PeerId, Outcome)>,
+    /// Neighbours of the round this node has banned: refused without an exchange.
+    banned: Vec<PeerId>,
     mixing: Option<MixingRow>,
 }
 
@@ -264,7 +298,15 @@ pub struct RoundMachine {
     /// The last round this node finished and when (Unix ms): the next round's wall time
     /// counts from there (`compute_utilization`).
     last_finished: Option<(u64, u64)>,
+    /// What this node holds against its peers: offences and bans.
+    standing: PeerStanding,
+    /// Offences reported beside the rounds ([`Input::Offences`]), counted with the next
+    /// round's.
+    posted: Vec<(PeerId, RefusalKind)>,
 }
+
+/// Why a banned neighbour's payload is not taken (the record's reason).
+const BANNED_REASON: &str = "banned by this node for the rest of the run";
 
 impl RoundMachine {
     /// A machine that starts with the first round whose commit window opens a whole window
@@ -298,7 +340,21 @@ impl RoundMachine {
             last_inner_steps: 0,
             last_step_time_s: 0.0,
             last_finished: None,
+            standing: PeerStanding::new(&GateConfig::default(), Vec::new()),
+            posted: Vec::new(),
         }
+    }
+
+    /// The machine with `standing` (the run's ban policy, and the bans this node kept from
+    /// an earlier life) in place of the default policy with no bans.
+    pub fn with_standing(mut self, standing: PeerStanding) -> Self {
+        self.standing = standing;
+        self
+    }
+
+    /// What this node holds against its peers.
+    pub fn standing(&self) -> &PeerStanding {
+        &self.standing
     }
 
     pub fn timing(&self) -> &Timing {
@@ -375,6 +431,7 @@ impl RoundMachine {
                 self.on_exchanged(round, outcomes, now, &mut out)
             }
             Input::Finished { round, val_loss } => self.on_finished(round, val_loss, now, &mut out),
+            Input::Offences(offences) => self.posted.extend(offences),
             Input::Stop => {
                 if !self.stopping {
                     self.stopping = true;
@@ -488,8 +545,9 @@ impl RoundMachine {
         };
         let neighbours = a.plan.as_ref().map_or(&[][..], |p| &p.neighbours[..]);
         // One outcome per neighbour, in neighbour order: others are dropped, the missing
-        // ones failed.
-        outcomes.retain(|(p, _)| neighbours.contains(p));
+        // ones failed, the banned ones refused.
+        outcomes.retain(|(p, _)| neighbours.contains(p) && !a.banned.contains(p));
+        outcomes.extend(a.banned.iter().map(|&p| (p, banned_outcome())));
         let mut ordered = Vec::with_capacity(neighbours.len());
         for n in neighbours {
             let outcome = match outcomes.iter().position(|(p, _)| p == n) {
@@ -561,6 +619,7 @@ impl RoundMachine {
             Some((r, at)) if r + 1 == round => at,
             _ => a.started_ms,
         };
+        self.judge_offences(round, &a, out);
         let mut record = self.make_record(a, val_loss, now);
         record.wall_s = now.saturating_sub(wall_from) as f64 / 1000.0;
         record.compute_utilization = compute_utilization(record.train_s, record.wall_s);
@@ -571,6 +630,61 @@ impl RoundMachine {
         self.next_round = self.next_round.max(round + 1);
         self.last_finished = Some((round, now));
         out.push(Output::Record(Box::new(record)));
+    }
+
+    /// Counts round `round`'s offences against their peers — payloads refused for their
+    /// contents, reveals withheld after a commit, and the offences posted since the last
+    /// round — and says what changed: a [`Output::Ban`] for each peer that reached the limit
+    /// (or committed a gross offence), a [`Output::Score`] for each other offender, and the
+    /// standing for `/status`.
+    fn judge_offences(&mut self, round: u64, a: &InFlight, out: &mut Vec<Output>) {
+        let refused = a
+            .outcomes
+            .iter()
+            .filter_map(|(peer, outcome)| match outcome {
+                Outcome::Refused { kind, gross, .. } => Some((*peer, *kind, *gross)),
+                _ => None,
+            });
+        let withheld = a
+            .plan
+            .iter()
+            .flat_map(|p| p.withheld.iter())
+            .map(|&peer| (peer, RefusalKind::WithheldReveal, false));
+        let posted = self
+            .posted
+            .drain(..)
+            .map(|(peer, kind)| (peer, kind, false));
+        let offences: Vec<(PeerId, RefusalKind, bool)> = refused
+            .chain(withheld)
+            .chain(posted)
+            .filter(|(_, kind, _)| kind.is_offence())
+            .collect();
+        if offences.is_empty() {
+            return;
+        }
+        let mut offenders = Vec::new();
+        for (peer, kind, gross) in offences {
+            let ban = match gross {
+                true => self.standing.offend_grossly(peer, round, kind),
+                false => self.standing.offend(peer, round, kind),
+            };
+            match ban {
+                Some(ban) => {
+                    tracing::warn!(round, %peer, offences = ?ban.offences, "peer banned for the rest of the run");
+                    out.push(Output::Ban { peer, ban });
+                }
+                None if !offenders.contains(&peer) => offenders.push(peer),
+                None => {}
+            }
+        }
+        for peer in offenders {
+            let score = self.standing.score(&peer, round);
+            out.push(Output::Score { peer, score });
+        }
+        out.push(Output::Status(StatusChange::Standing {
+            banned: self.standing.bans().cloned().collect(),
+            scores: self.standing.scores(round),
+        }));
     }
 
     /// Everything time alone moves on: commits, the next round's start, reveals and
@@ -692,6 +806,7 @@ impl RoundMachine {
                 exchange_started_ms: None,
                 exchange_done_ms: None,
                 outcomes: Vec::new(),
+                banned: Vec::new(),
                 mixing: None,
             });
             if let Some((plan, decided_at)) = self.early_plans.remove(&round) {
@@ -777,7 +892,15 @@ impl RoundMachine {
             return;
         };
         a.exchange_started_ms = Some(now);
-        if plan.neighbours.is_empty() {
+        // A banned neighbour is refused without an exchange.
+        let (banned, neighbours): (Vec<PeerId>, Vec<PeerId>) = plan
+            .neighbours
+            .iter()
+            .copied()
+            .partition(|p| self.standing.is_banned(p));
+        a.banned = banned;
+        if neighbours.is_empty() {
+            a.outcomes = a.banned.iter().map(|&p| (p, banned_outcome())).collect();
             a.exchange_done_ms = Some(now);
             Self::start_finish(&me, topology, a, out);
         } else {
@@ -785,7 +908,7 @@ impl RoundMachine {
             out.push(Output::Status(StatusChange::Exchanging));
             out.push(Output::StartExchange {
                 round: a.round,
-                neighbours: plan.neighbours.clone(),
+                neighbours,
             });
         }
         if self.config.overlap {
@@ -825,7 +948,7 @@ impl RoundMachine {
                     swapped_out += u64::from(*bytes > 0);
                     refused.push(RefusedPayload {
                         peer: peer.to_string(),
-                        kind: kind.clone(),
+                        kind: *kind,
                         reason: reason.clone(),
                         gross: *gross,
                     })
@@ -1162,6 +1285,116 @@ mod tests {
         assert!(s.machines[0].is_done(), "one round asked for");
     }
 
+    /// Machine 0 of a pair runs round `round` with its neighbour's payload ending as
+    /// `outcome` (or its exchange never started, when the neighbour is banned); returns the
+    /// outputs of its exchange's end and of its outer step's.
+    fn round_with(s: &mut Swarm, round: u64, outcome: Outcome) -> (Vec<Output>, Vec<Output>) {
+        to_decision(s, round);
+        let mut out = s.input(0, trained(round), start(round) + 5000);
+        if let Some(neighbours) = exchange_of(&out) {
+            let outcomes = neighbours
+                .into_iter()
+                .map(|p| (p, outcome.clone()))
+                .collect();
+            out = s.input(0, Input::Exchanged { round, outcomes }, start(round) + 6000);
+        }
+        let finished = Input::Finished {
+            round,
+            val_loss: None,
+        };
+        let done = s.input(0, finished, start(round) + 6500);
+        (out, done)
+    }
+
+    fn refused(kind: RefusalKind, gross: bool) -> Outcome {
+        Outcome::Refused {
+            kind,
+            reason: format!("gate: {kind}"),
+            bytes: 1000,
+            gross,
+        }
+    }
+
+    fn bans_of(out: &[Output]) -> Vec<PeerId> {
+        out.iter()
+            .filter_map(|o| match o {
+                Output::Ban { peer, .. } => Some(*peer),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_neighbour_refused_three_times_is_banned_and_then_refused_without_an_exchange() {
+        let mut s = Swarm::new(2, Topology::OnePeer, 10, start(0) - PERIOD);
+        // A refusal that is no offence (a busy partner) moves nothing.
+        let (_, done) = round_with(&mut s, 0, refused(RefusalKind::Busy, false));
+        assert!(bans_of(&done).is_empty());
+        assert!(!done.iter().any(|o| matches!(o, Output::Score { .. })));
+        for round in 1..=2 {
+            let (_, done) = round_with(&mut s, round, refused(RefusalKind::TooFar, false));
+            assert!(bans_of(&done).is_empty(), "round {round}");
+            let score = find(&done, |o| match o {
+                Output::Score { peer, score } => Some((*peer, *score)),
+                _ => None,
+            });
+            assert_eq!(score, Some((peer(1), -(round as f64))));
+        }
+        let (_, done) = round_with(&mut s, 3, refused(RefusalKind::Harmful, false));
+        assert_eq!(bans_of(&done), [peer(1)]);
+        let standing = find(&done, |o| match o {
+            Output::Status(StatusChange::Standing { banned, .. }) => Some(banned.clone()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(
+            standing[0].offences,
+            ["1:too_far", "2:too_far", "3:harmful"]
+        );
+        assert!(s.machines[0].standing().is_banned(&peer(1)));
+        // Round 4: the banned neighbour is refused without an exchange, mixed as missing.
+        let (out, done) = round_with(&mut s, 4, swapped());
+        assert_eq!(exchange_of(&out), None, "no exchange with a banned peer");
+        let (row, arrived) = finish_of(&out).unwrap();
+        assert_eq!((row.weight(row.worker), arrived.len()), (1.0, 0));
+        let record = record_of(&done).unwrap();
+        assert_eq!(record.refused[0].kind, RefusalKind::Banned);
+        assert!(bans_of(&done).is_empty(), "banned once");
+    }
+
+    #[test]
+    fn a_gross_offence_bans_at_once_and_offences_posted_beside_the_rounds_count() {
+        let mut s = Swarm::new(2, Topology::OnePeer, 10, start(0) - PERIOD);
+        let (_, done) = round_with(&mut s, 0, refused(RefusalKind::NonFinite, true));
+        assert_eq!(bans_of(&done), [peer(1)]);
+
+        let mut s = Swarm::new(2, Topology::OnePeer, 10, start(0) - PERIOD);
+        let bad_shards = vec![(peer(1), RefusalKind::BadShard); 2];
+        s.input(0, Input::Offences(bad_shards), start(0) - 2000);
+        let (_, done) = round_with(&mut s, 0, refused(RefusalKind::TableMismatch, false));
+        assert_eq!(bans_of(&done), [peer(1)], "two bad shards and a bad table");
+    }
+
+    #[test]
+    fn a_machine_started_with_a_kept_ban_never_exchanges_with_that_peer() {
+        let mut s = Swarm::new(2, Topology::OnePeer, 10, start(0) - PERIOD);
+        let mut standing = PeerStanding::new(&GateConfig::default(), Vec::new());
+        standing.offend_grossly(peer(1), 0, RefusalKind::TooFar);
+        let machine = std::mem::replace(
+            &mut s.machines[0],
+            Swarm::new(1, Topology::OnePeer, 1, start(0) - PERIOD)
+                .machines
+                .remove(0),
+        );
+        s.machines[0] = machine.with_standing(standing);
+        let (out, done) = round_with(&mut s, 0, swapped());
+        assert_eq!(exchange_of(&out), None);
+        assert_eq!(
+            record_of(&done).unwrap().refused[0].kind,
+            RefusalKind::Banned
+        );
+    }
+
     #[test]
     fn a_failed_or_refused_neighbour_is_mixed_as_missing() {
         let mut s = Swarm::new(3, Topology::TwoPeer, 10, start(0) - PERIOD);
@@ -1209,7 +1442,7 @@ mod tests {
                 outcomes: vec![(
                     neighbours[0],
                     Outcome::Refused {
-                        kind: "too_far".into(),
+                        kind: RefusalKind::TooFar,
                         reason: "gate: too_far".into(),
                         bytes: 0,
                         gross: false,
@@ -1234,7 +1467,7 @@ mod tests {
             record.refused,
             vec![RefusedPayload {
                 peer: neighbours[0].to_string(),
-                kind: "too_far".into(),
+                kind: RefusalKind::TooFar,
                 reason: "gate: too_far".into(),
                 gross: false,
             }]
@@ -1583,8 +1816,13 @@ mod tests {
                     outcomes: vec![
                         (neighbour, swapped()),
                         (neighbour, Outcome::Failed("x".into())),
+                        (
+                            neighbour,
+                            refused(RefusalKind::TooFar, rng.random_bool(0.1)),
+                        ),
                     ],
                 },
+                5 => Input::Offences(vec![(neighbour, RefusalKind::BadShard)]),
                 2 => Input::Finished {
                     round,
                     val_loss: None,

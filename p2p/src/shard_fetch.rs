@@ -20,7 +20,7 @@
 //! another source. A shard no source holds for [`FetchConfig::patience`] ends the fetch
 //! with [`FetchError::NoSource`].
 
-use crate::shard_service::{fetch_range, is_shard_file_name, list_shards, RefusalReason};
+use crate::shard_service::{fetch_range, is_shard_file_name, list_shards, ShardRefusal};
 use crate::shard_service::{ShardCatalog, MAX_SHARD_CHUNK};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
@@ -766,8 +766,8 @@ impl ShardFetcher {
             )
             .await
             .map_err(|e| match e.refusal_reason() {
-                Some(RefusalReason::Busy) => SourceFailure::Busy(e.to_string()),
-                Some(RefusalReason::UnknownShard) => SourceFailure::NotHeld(e.to_string()),
+                Some(ShardRefusal::Busy) => SourceFailure::Busy(e.to_string()),
+                Some(ShardRefusal::UnknownShard) => SourceFailure::NotHeld(e.to_string()),
                 _ => SourceFailure::Bad(e.to_string()),
             }),
             ShardSource::Mirror(base) => {

@@ -17,7 +17,7 @@
 //!
 //! A range is at most [`MAX_SHARD_CHUNK`] (4 MiB) and must lie inside the shard. The
 //! server answers exactly the requested length or refuses: `error` is non-empty, reads
-//! `<reason>: <detail>` (reasons: [`RefusalReason`]: `wrong-run`, `unknown-shard`,
+//! `<reason>: <detail>` (reasons: [`ShardRefusal`]: `wrong-run`, `unknown-shard`,
 //! `out-of-range`, `bad-length`, `busy`, `bad-request`, `unavailable`), and no bytes
 //! follow. A list answer names at most what fits in 64 KiB, each a safe shard file name
 //! ([`is_shard_file_name`]); the requester ignores any other. The requester refuses a
@@ -78,7 +78,7 @@ pub fn is_shard_file_name(name: &str) -> bool {
 
 /// Why the server refused a request: the word that opens the response's `error`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum RefusalReason {
+pub enum ShardRefusal {
     WrongRun,
     UnknownShard,
     OutOfRange,
@@ -89,44 +89,44 @@ pub enum RefusalReason {
     Unavailable,
 }
 
-impl RefusalReason {
-    pub const ALL: [RefusalReason; 7] = [
-        RefusalReason::WrongRun,
-        RefusalReason::UnknownShard,
-        RefusalReason::OutOfRange,
-        RefusalReason::BadLength,
-        RefusalReason::Busy,
-        RefusalReason::BadRequest,
-        RefusalReason::Unavailable,
+impl ShardRefusal {
+    pub const ALL: [ShardRefusal; 7] = [
+        ShardRefusal::WrongRun,
+        ShardRefusal::UnknownShard,
+        ShardRefusal::OutOfRange,
+        ShardRefusal::BadLength,
+        ShardRefusal::Busy,
+        ShardRefusal::BadRequest,
+        ShardRefusal::Unavailable,
     ];
 
     pub fn as_str(self) -> &'static str {
         match self {
-            RefusalReason::WrongRun => "wrong-run",
-            RefusalReason::UnknownShard => "unknown-shard",
-            RefusalReason::OutOfRange => "out-of-range",
-            RefusalReason::BadLength => "bad-length",
-            RefusalReason::Busy => "busy",
-            RefusalReason::BadRequest => "bad-request",
-            RefusalReason::Unavailable => "unavailable",
+            ShardRefusal::WrongRun => "wrong-run",
+            ShardRefusal::UnknownShard => "unknown-shard",
+            ShardRefusal::OutOfRange => "out-of-range",
+            ShardRefusal::BadLength => "bad-length",
+            ShardRefusal::Busy => "busy",
+            ShardRefusal::BadRequest => "bad-request",
+            ShardRefusal::Unavailable => "unavailable",
         }
     }
 
     /// The reason a response's `error` names, if it names a known one.
-    pub fn of_error(error: &str) -> Option<RefusalReason> {
+    pub fn of_error(error: &str) -> Option<ShardRefusal> {
         let word = error.split(':').next().unwrap_or_default().trim();
-        RefusalReason::ALL.into_iter().find(|r| r.as_str() == word)
+        ShardRefusal::ALL.into_iter().find(|r| r.as_str() == word)
     }
 
     fn index(self) -> usize {
-        RefusalReason::ALL
+        ShardRefusal::ALL
             .iter()
             .position(|r| *r == self)
             .expect("every reason is in ALL")
     }
 }
 
-impl std::fmt::Display for RefusalReason {
+impl std::fmt::Display for ShardRefusal {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())
     }
@@ -364,7 +364,7 @@ pub struct ShardServeStats {
     pub ranges_served: u64,
     pub lists_served: u64,
     /// Requests refused, by reason (every reason present, zero or not).
-    pub refusals: Vec<(RefusalReason, u64)>,
+    pub refusals: Vec<(ShardRefusal, u64)>,
     /// Streams closed without an answer: a request length over the limit, a request not
     /// complete in time, or a stream dropped because even the `busy` answerers were busy.
     pub streams_dropped: u64,
@@ -373,7 +373,7 @@ pub struct ShardServeStats {
 }
 
 impl ShardServeStats {
-    pub fn refused(&self, reason: RefusalReason) -> u64 {
+    pub fn refused(&self, reason: ShardRefusal) -> u64 {
         self.refusals
             .iter()
             .find(|(r, _)| *r == reason)
@@ -386,7 +386,7 @@ struct Counters {
     bytes_served: AtomicU64,
     ranges_served: AtomicU64,
     lists_served: AtomicU64,
-    refusals: [AtomicU64; RefusalReason::ALL.len()],
+    refusals: [AtomicU64; ShardRefusal::ALL.len()],
     streams_dropped: AtomicU64,
     streams_open: AtomicU64,
 }
@@ -405,7 +405,7 @@ struct ServiceInner {
 }
 
 impl ServiceInner {
-    fn refused(&self, reason: RefusalReason) {
+    fn refused(&self, reason: ShardRefusal) {
         self.counters.refusals[reason.index()].fetch_add(1, Ordering::Relaxed);
     }
 
@@ -506,7 +506,7 @@ impl ShardService {
             bytes_served: c.bytes_served.load(Ordering::Relaxed),
             ranges_served: c.ranges_served.load(Ordering::Relaxed),
             lists_served: c.lists_served.load(Ordering::Relaxed),
-            refusals: RefusalReason::ALL
+            refusals: ShardRefusal::ALL
                 .into_iter()
                 .map(|r| (r, c.refusals[r.index()].load(Ordering::Relaxed)))
                 .collect(),
@@ -562,7 +562,7 @@ async fn answer_busy(inner: &ServiceInner, peer: PeerId, mut stream: Stream) {
     let answer = async {
         read_request(&mut stream).await.ok()?;
         let response = refusal(
-            RefusalReason::Busy,
+            ShardRefusal::Busy,
             format!(
                 "serving {} streams overall or {} for this peer already; try later",
                 inner.config.max_streams, inner.config.max_streams_per_peer
@@ -572,7 +572,7 @@ async fn answer_busy(inner: &ServiceInner, peer: PeerId, mut stream: Stream) {
         stream.close().await.ok()
     };
     match tokio::time::timeout(BUSY_ANSWER_TIMEOUT, answer).await {
-        Ok(Some(())) => inner.refused(RefusalReason::Busy),
+        Ok(Some(())) => inner.refused(ShardRefusal::Busy),
         _ => {
             tracing::debug!(%peer, "shard service: busy answer not delivered");
             inner
@@ -583,7 +583,7 @@ async fn answer_busy(inner: &ServiceInner, peer: PeerId, mut stream: Stream) {
     }
 }
 
-fn refusal(reason: RefusalReason, detail: String) -> ShardResponse {
+fn refusal(reason: ShardRefusal, detail: String) -> ShardResponse {
     ShardResponse {
         error: format!("{reason}: {detail}"),
         ..Default::default()
@@ -607,10 +607,10 @@ pub fn check_request(
     run_id: &RunId,
     catalog: &ShardCatalog,
     request: &ShardRequest,
-) -> Result<ShardAnswer, (RefusalReason, String)> {
+) -> Result<ShardAnswer, (ShardRefusal, String)> {
     if request.run_id.as_slice() != run_id.as_bytes() {
         return Err((
-            RefusalReason::WrongRun,
+            ShardRefusal::WrongRun,
             format!(
                 "run {} is not this node's run {}",
                 hex::encode(&request.run_id[..request.run_id.len().min(32)]),
@@ -624,14 +624,14 @@ pub fn check_request(
     let shown: String = request.name.chars().take(MAX_PEER_TEXT_CHARS).collect();
     let Some((entry, path)) = catalog.get(&request.name) else {
         return Err((
-            RefusalReason::UnknownShard,
+            ShardRefusal::UnknownShard,
             format!("this node does not serve {shown:?}"),
         ));
     };
     let (offset, length) = (request.offset, request.length);
     if length == 0 || length > MAX_SHARD_CHUNK {
         return Err((
-            RefusalReason::BadLength,
+            ShardRefusal::BadLength,
             format!("a range is 1 to {MAX_SHARD_CHUNK} bytes, not {length}"),
         ));
     }
@@ -640,7 +640,7 @@ pub fn check_request(
         .is_none_or(|end| end > entry.bytes)
     {
         return Err((
-            RefusalReason::OutOfRange,
+            ShardRefusal::OutOfRange,
             format!(
                 "{length} bytes from {offset} go past the end of {shown} ({} bytes)",
                 entry.bytes
@@ -678,8 +678,8 @@ async fn serve_stream(
     let request = match tokio::time::timeout(cfg.request_timeout, read_request(&mut stream)).await {
         Ok(Ok(request)) => request,
         Ok(Err(e @ ShardWireError::Malformed { .. })) => {
-            let response = refusal(RefusalReason::BadRequest, e.to_string());
-            inner.refused(RefusalReason::BadRequest);
+            let response = refusal(ShardRefusal::BadRequest, e.to_string());
+            inner.refused(ShardRefusal::BadRequest);
             let _ = tokio::time::timeout(cfg.send_timeout, async {
                 write_response(&mut stream, &response).await?;
                 stream.close().await
@@ -770,8 +770,8 @@ async fn send_answer(
     let mut file = match opened {
         Ok(file) => file,
         Err(e) => {
-            inner.refused(RefusalReason::Unavailable);
-            let response = refusal(RefusalReason::Unavailable, e.to_string());
+            inner.refused(ShardRefusal::Unavailable);
+            let response = refusal(ShardRefusal::Unavailable, e.to_string());
             write_response(stream, &response).await.map_err(io)?;
             stream.close().await.map_err(io)?;
             return Err(format!("shard file unreadable: {e}"));
@@ -826,7 +826,7 @@ pub enum ShardClientError {
     Refused {
         peer: PeerId,
         /// The reason the message names, if a known one.
-        reason: Option<RefusalReason>,
+        reason: Option<ShardRefusal>,
         /// The peer's text, cut to 256 characters.
         message: String,
     },
@@ -853,7 +853,7 @@ pub enum ShardClientError {
 
 impl ShardClientError {
     /// The server's refusal reason, if it refused.
-    pub fn refusal_reason(&self) -> Option<RefusalReason> {
+    pub fn refusal_reason(&self) -> Option<ShardRefusal> {
         match self {
             ShardClientError::Refused { reason, .. } => *reason,
             _ => None,
@@ -915,7 +915,7 @@ fn cut(text: &str) -> String {
 fn refused(peer: PeerId, error: &str) -> ShardClientError {
     ShardClientError::Refused {
         peer,
-        reason: RefusalReason::of_error(error),
+        reason: ShardRefusal::of_error(error),
         message: cut(error),
     }
 }
@@ -1073,11 +1073,11 @@ mod tests {
 
     #[test]
     fn refusal_reasons_round_trip_through_the_error_text() {
-        for reason in RefusalReason::ALL {
+        for reason in ShardRefusal::ALL {
             let text = refusal(reason, "detail".into()).error;
-            assert_eq!(RefusalReason::of_error(&text), Some(reason), "{text}");
+            assert_eq!(ShardRefusal::of_error(&text), Some(reason), "{text}");
         }
-        assert_eq!(RefusalReason::of_error("something else"), None);
+        assert_eq!(ShardRefusal::of_error("something else"), None);
     }
 
     #[test]

@@ -26,7 +26,7 @@ use crate::work::RoundWork;
 use anyhow::{anyhow, bail};
 use gasloc_proto::gate::{judge_against_median, judge_pair, momentum_clip, StateVerdict};
 use gasloc_proto::manifest::GateConfig;
-use gasloc_proto::{RunId, RunManifest};
+use gasloc_proto::{RefusalKind, RunId, RunManifest};
 use gasloc_status::{NodeStatus, RefusedPayload, StateSyncReport};
 use libp2p::identity::Keypair;
 use libp2p::{Multiaddr, PeerId};
@@ -309,11 +309,11 @@ async fn start_state_of(
 }
 
 /// A state refused at sync, logged once.
-fn refuse_state(peer: PeerId, kind: &str, reason: String) -> RefusedPayload {
-    tracing::warn!(%peer, refusal = kind, "refused the peer's state: {reason}");
+fn refuse_state(peer: PeerId, kind: RefusalKind, reason: String) -> RefusedPayload {
+    tracing::warn!(%peer, refusal = %kind, "refused the peer's state: {reason}");
     RefusedPayload {
         peer: peer.to_string(),
-        kind: kind.into(),
+        kind,
         reason,
         gross: false,
     }
@@ -528,13 +528,13 @@ impl JoinedNode {
                     match answer {
                         Ok((round, _)) if round > latest => refused.push(refuse_state(
                             peer,
-                            "future_round",
+                            RefusalKind::FutureRound,
                             format!("state sync: the state claims round {round}, after {latest}"),
                         )),
                         Ok((round, state)) => match state.first_non_finite() {
                             Some(tensor) => refused.push(refuse_state(
                                 peer,
-                                "non_finite",
+                                RefusalKind::NonFinite,
                                 format!("state sync: tensor {tensor} holds a NaN or an infinity"),
                             )),
                             None => fetched.push(FetchedState { peer, round, state }),
@@ -569,7 +569,11 @@ impl JoinedNode {
                                 gate.max_state_disagreement
                             ),
                         };
-                        refused.push(refuse_state(fetched[i].peer, "state_disagrees", reason));
+                        refused.push(refuse_state(
+                            fetched[i].peer,
+                            RefusalKind::StateDisagrees,
+                            reason,
+                        ));
                     }
                     let disagreement = kept
                         .iter()

@@ -562,7 +562,8 @@ impl Sim {
                 self.push(now + self.config.finish_ms, Event::Finished { node, round })
             }
             Output::Record(record) => self.record(node, &record),
-            Output::Status(_) => {}
+            // Every simulated node is honest: nobody is banned, and no score moves.
+            Output::Ban { .. } | Output::Score { .. } | Output::Status(_) => {}
         }
     }
 

@@ -9,7 +9,7 @@ use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use gasloc_p2p::network::Network;
 use gasloc_p2p::shard_service::{
     fetch_range, list_shards, read_request, read_response, write_request, write_response,
-    RefusalReason, ShardClientError, ShardService, MAX_SHARD_CHUNK, MAX_SHARD_REQUEST,
+    ShardClientError, ShardRefusal, ShardService, MAX_SHARD_CHUNK, MAX_SHARD_REQUEST,
     SHARD_PROTOCOL,
 };
 use gasloc_proto::wire::{ShardRequest, ShardResponse};
@@ -91,7 +91,7 @@ impl Setup {
 
 fn assert_refused<T: std::fmt::Debug>(
     result: Result<T, ShardClientError>,
-    reason: RefusalReason,
+    reason: ShardRefusal,
 ) -> String {
     match result {
         Err(e) => {
@@ -128,15 +128,15 @@ async fn wrong_run_id_is_refused() {
     let other_run = RunId::from_bytes([0x43; 32]);
     let e = assert_refused(
         s.fetch(other_run, &s.entries[0].name, 0, 100).await,
-        RefusalReason::WrongRun,
+        ShardRefusal::WrongRun,
     );
     assert!(e.contains("not this node's run"), "{e}");
     let control = s.client.client.stream_control();
     assert_refused(
         list_shards(&control, s.server_id(), other_run, TIMEOUT).await,
-        RefusalReason::WrongRun,
+        ShardRefusal::WrongRun,
     );
-    assert_eq!(s.service.stats().refused(RefusalReason::WrongRun), 2);
+    assert_eq!(s.service.stats().refused(ShardRefusal::WrongRun), 2);
     assert_eq!(s.service.stats().bytes_served, 0);
 }
 
@@ -145,7 +145,7 @@ async fn unknown_shard_is_refused() {
     let s = setup().await;
     let e = assert_refused(
         s.fetch(RUN_ID, "t_train_000099.bin", 0, 100).await,
-        RefusalReason::UnknownShard,
+        ShardRefusal::UnknownShard,
     );
     assert!(e.contains("t_train_000099.bin"), "{e}");
     // A path is not even asked for.
@@ -154,7 +154,7 @@ async fn unknown_shard_is_refused() {
         .await
         .unwrap_err();
     assert!(matches!(path, ShardClientError::BadName(_)), "{path}");
-    assert_eq!(s.service.stats().refused(RefusalReason::UnknownShard), 1);
+    assert_eq!(s.service.stats().refused(ShardRefusal::UnknownShard), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -163,7 +163,7 @@ async fn range_beyond_the_end_is_refused() {
     let entry = &s.entries[0];
     let e = assert_refused(
         s.fetch(RUN_ID, &entry.name, entry.bytes - 10, 100).await,
-        RefusalReason::OutOfRange,
+        ShardRefusal::OutOfRange,
     );
     assert!(e.contains(&format!("{} bytes", entry.bytes)), "{e}");
     // An offset whose end overflows u64 is beyond the end too.
@@ -181,7 +181,7 @@ async fn range_beyond_the_end_is_refused() {
         response.error
     );
     assert_eq!(response.length, 0);
-    assert_eq!(s.service.stats().refused(RefusalReason::OutOfRange), 2);
+    assert_eq!(s.service.stats().refused(ShardRefusal::OutOfRange), 2);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -209,7 +209,7 @@ async fn zero_or_oversize_length_is_refused() {
             "{local}"
         );
     }
-    assert_eq!(s.service.stats().refused(RefusalReason::BadLength), 3);
+    assert_eq!(s.service.stats().refused(ShardRefusal::BadLength), 3);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -241,10 +241,10 @@ async fn more_streams_from_one_peer_than_allowed_are_busy() {
     }
     let e = assert_refused(
         s.fetch(RUN_ID, &s.entries[0].name, 0, 100).await,
-        RefusalReason::Busy,
+        ShardRefusal::Busy,
     );
     assert!(e.contains("try later"), "{e}");
-    assert_eq!(s.service.stats().refused(RefusalReason::Busy), 1);
+    assert_eq!(s.service.stats().refused(ShardRefusal::Busy), 1);
     // Once a held stream is gone, the peer is served again.
     drop(held);
     let mut served = false;

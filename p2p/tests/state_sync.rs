@@ -8,6 +8,7 @@ use gasloc_p2p::swarm_node::STATE_ANCHOR_PREFIX;
 use gasloc_p2p::tensors::TensorSet;
 use gasloc_proto::manifest::GateConfig;
 use gasloc_proto::wire::{DType, PayloadKind, RefusalReason};
+use gasloc_proto::RefusalKind;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -220,7 +221,7 @@ async fn a_joiner_outvotes_a_poisoned_state_and_starts_from_the_mean_of_the_hone
     assert_eq!(kept, honest);
     assert_eq!(synced.refused.len(), 1, "{:?}", synced.refused);
     assert_eq!(synced.refused[0].peer, sources[1].peer_id().to_string());
-    assert_eq!(synced.refused[0].kind, "state_disagrees");
+    assert_eq!(synced.refused[0].kind, RefusalKind::StateDisagrees);
     assert_eq!(synced.round, 6, "the latest round of the kept sources");
     assert!(synced.state == TensorSet::mean(&[&honest_a, &honest_b]).unwrap());
     assert_eq!(synced.report().sources.len(), 2);
@@ -284,7 +285,7 @@ async fn a_joiner_refuses_a_state_claiming_a_round_the_swarm_has_not_reached() {
     assert_eq!(synced.sources, vec![sources[1].peer_id()]);
     assert_eq!(synced.round, 11);
     assert_eq!(synced.refused.len(), 1, "{:?}", synced.refused);
-    assert_eq!(synced.refused[0].kind, "future_round");
+    assert_eq!(synced.refused[0].kind, RefusalKind::FutureRound);
 }
 
 /// A well-formed state holding a NaN is refused by name; the one finite source left is
@@ -308,7 +309,7 @@ async fn a_joiner_refuses_a_nan_state_and_never_guesses_between_two_that_disagre
     assert_eq!(synced.sources, vec![sources[1].peer_id()]);
     assert!(synced.state == good);
     assert_eq!(synced.refused.len(), 1);
-    assert_eq!(synced.refused[0].kind, "non_finite");
+    assert_eq!(synced.refused[0].kind, RefusalKind::NonFinite);
     assert!(
         synced.refused[0].reason.contains("anchor.b"),
         "{:?}",

@@ -46,6 +46,7 @@
 //! starts from their coordinate-wise median (three or more) or their mean (two).
 
 use crate::manifest::GateConfig;
+use crate::refusal::RefusalKind;
 use std::collections::VecDeque;
 use std::fmt;
 
@@ -154,14 +155,14 @@ impl Refusal {
         }
     }
 
-    /// A short name of the reason, for counters and metrics labels.
-    pub fn kind(&self) -> &'static str {
+    /// The reason's kind, for records, counters and metrics labels.
+    pub fn kind(&self) -> RefusalKind {
         match self {
-            Refusal::Malformed { .. } => "malformed",
-            Refusal::NonFinite { .. } => "non_finite",
-            Refusal::TooFar { .. } => "too_far",
-            Refusal::Misaligned { .. } => "misaligned",
-            Refusal::Harmful { .. } => "harmful",
+            Refusal::Malformed { .. } => RefusalKind::Malformed,
+            Refusal::NonFinite { .. } => RefusalKind::NonFinite,
+            Refusal::TooFar { .. } => RefusalKind::TooFar,
+            Refusal::Misaligned { .. } => RefusalKind::Misaligned,
+            Refusal::Harmful { .. } => RefusalKind::Harmful,
         }
     }
 }
@@ -509,7 +510,7 @@ mod tests {
             ..at(1.0)
         };
         let verdict = gate().judge_round(0, 1.0, &[stats]).remove(0).unwrap_err();
-        assert_eq!(verdict.kind(), "non_finite");
+        assert_eq!(verdict.kind().as_str(), "non_finite");
         assert!(
             verdict.to_string().contains("model.norm.weight"),
             "{verdict}"
@@ -648,7 +649,7 @@ mod tests {
             .judge_round(0, 1.0, &[flipped])
             .remove(0)
             .unwrap_err();
-        assert_eq!(verdict.kind(), "misaligned");
+        assert_eq!(verdict.kind().as_str(), "misaligned");
         let nan = PayloadStats {
             cosine: Some(f64::NAN),
             ..at(1.0)
@@ -735,7 +736,7 @@ mod tests {
         assert!(verdicts[..3].iter().all(Result::is_ok), "{verdicts:?}");
         for verdict in &verdicts[3..] {
             let refusal = verdict.clone().unwrap_err();
-            assert_eq!(refusal.kind(), "harmful");
+            assert_eq!(refusal.kind().as_str(), "harmful");
             assert!(
                 refusal.to_string().contains("max_loss_increase"),
                 "{refusal}"

@@ -6,6 +6,7 @@
 //! the same way. [`Reachability`] is AutoNAT's verdict as both the network layer and the
 //! documents name it.
 
+use gasloc_proto::RefusalKind;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt;
@@ -218,9 +219,9 @@ pub struct GateReading {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 pub struct RefusedPayload {
     pub peer: String,
-    /// The reason's short name: `non_finite`, `too_far` or `misaligned` (the payload
-    /// gate), or the exchange's (`table_mismatch`, `not_a_neighbour`, `too_large`, …).
-    pub kind: String,
+    /// The reason's kind: the payload gate's (`non_finite`, `too_far`, …), the exchange's
+    /// (`table_mismatch`, `not_a_neighbour`, `too_large`, …) or state sync's.
+    pub kind: RefusalKind,
     /// The whole reason, with its numbers.
     pub reason: String,
     /// Garbage beyond doubt (`gasloc_proto::gate::Refusal::is_gross`): one such offence bans
@@ -339,7 +340,7 @@ impl NodeStatus {
             .refusals
             .entry(refused.peer.clone())
             .or_default()
-            .entry(refused.kind.clone())
+            .entry(refused.kind.to_string())
             .or_default() += 1;
     }
 
@@ -440,7 +441,7 @@ mod tests {
                 failed: vec![("12D3KooWPeerB".into(), "exchange timed out".into())],
                 refused: vec![RefusedPayload {
                     peer: "12D3KooWPeerD".into(),
-                    kind: "too_far".into(),
+                    kind: RefusalKind::TooFar,
                     reason: "gate: too_far: …".into(),
                     gross: false,
                 }],
