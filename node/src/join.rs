@@ -8,7 +8,7 @@
 //! with `--synthetic`, [`SyntheticTrainer`].
 
 use crate::device::{device_name, parse_device};
-use crate::run_data::RunData;
+use crate::run_data::{DataArgs, RunData};
 use crate::volunteer::{RunDataSource, Start, Volunteer, VolunteerOptions};
 use anyhow::{bail, Context, Result};
 use gasloc_p2p::config::{default_listen, NetworkConfig, Role};
@@ -61,27 +61,9 @@ pub struct JoinArgs {
     /// The run id this node expects the bootstrap node to serve (64 hex digits).
     #[arg(long)]
     pub run_id: Option<RunId>,
-    /// Token shards of the run's data (`gasloc-node data prepare`). When the manifest pins
-    /// its shards they must match the table exactly. Without --data, a run that pins its
-    /// shards is fetched from the swarm (and the manifest's mirrors) into <home>/data.
-    #[arg(long)]
-    pub data: Option<PathBuf>,
-    /// Do not serve this node's verified shards of the run's data to peers (by default every
-    /// node serves the pinned shards it holds, on /gasloc/shard/1).
-    #[arg(long)]
-    pub no_serve_data: bool,
-    /// Cap the shard bytes this node sends to any one peer, per second (500k, 2M); the
-    /// node's --max-upload-rate caps them too, together with the exchanges.
-    #[arg(long, value_parser = parse_rate)]
-    pub data_serve_rate: Option<u64>,
-    /// Bytes asked for per shard request when fetching (1 KiB to 4 MiB); a fetch cut off
-    /// resumes from the last whole chunk.
-    #[arg(long, default_value_t = 1 << 20)]
-    pub data_chunk_bytes: u64,
-    /// How long a shard may find no source (no peer holds it, no mirror serves it) before
-    /// the join stops with an error naming it, in seconds.
-    #[arg(long, default_value_t = 60)]
-    pub data_patience_s: u64,
+    /// The run's data: `--data`, serving it, fetching it.
+    #[command(flatten)]
+    pub data: DataArgs,
     /// auto, cpu, cuda or cuda:N.
     #[arg(long, default_value = "auto")]
     pub device: String,
@@ -288,11 +270,20 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
         .map(|r| Arc::new(UploadLimiter::new(r)));
     // Cancelled by SIGINT or SIGTERM once the rounds begin (the handler is installed then).
     let stop = CancellationToken::new();
-    let mut data = RunData::provide(&args, &manifest, &node, upload_limit.clone(), &status).await?;
+    let mut data = RunData::provide(
+        &args.data,
+        &args.home,
+        args.synthetic,
+        &manifest,
+        &node,
+        upload_limit.clone(),
+        &status,
+    )
+    .await?;
     let (mut work, started_from, shards_ahead) =
         make_trainer(&args, &manifest, me, device, data.source.clone()).await?;
     // The trainer checked --data against the pinned table before it opened it: serve it.
-    data.serve_given_directory(&args, &manifest);
+    data.serve_given_directory(&args.data, args.synthetic, &manifest);
     // Without --data: the training shards, in the order the trainer will read them; the
     // first before the first round, the rest while it trains.
     data.fetch_training_shards(&manifest, &shards_ahead, stop.clone(), &status)

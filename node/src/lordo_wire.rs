@@ -18,7 +18,7 @@
 
 use crate::algo::lordo::LowRankState;
 use crate::algo::payload::{encode_lordo, factor_names, LordoPart};
-use crate::volunteer::{from_wire, tensor_spec, to_wire};
+use crate::tensor_wire::{from_wire, tensor_spec, to_wire};
 use anyhow::{bail, Result};
 use gasloc_p2p::tensors::TensorSet;
 use gasloc_p2p::work::PayloadTables;

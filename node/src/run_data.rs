@@ -19,7 +19,6 @@
 //! every verified shard it holds on `/gasloc/shard/1` from the moment it has it, so a run's
 //! data spreads with its members.
 
-use crate::join::JoinArgs;
 use crate::volunteer::RunDataSource;
 use anyhow::{bail, Context, Result};
 use gasloc_data::ShardSupply;
@@ -27,7 +26,7 @@ use gasloc_p2p::peer_standing::OffenceInbox;
 use gasloc_p2p::shard_fetch::{FetchConfig, FetchProgress, FetchReport, ShardFetcher, ShardSource};
 use gasloc_p2p::shard_service::{ShardCatalog, ShardServeConfig, ShardService, MAX_SHARD_CHUNK};
 use gasloc_p2p::swarm_node::SwarmNode;
-use gasloc_p2p::upload_limit::UploadLimiter;
+use gasloc_p2p::upload_limit::{parse_rate, UploadLimiter};
 use gasloc_p2p::PeerId;
 use gasloc_proto::{RefusalKind, RunManifest, ShardEntry, Split};
 use gasloc_status::NodeStatus;
@@ -51,12 +50,43 @@ pub struct RunData {
     fetch: Option<DataFetch>,
 }
 
+/// `gasloc-node join`'s flags about the run's data (flattened into its `JoinArgs`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct DataArgs {
+    /// Token shards of the run's data (`gasloc-node data prepare`). When the manifest pins
+    /// its shards they must match the table exactly. Without --data, a run that pins its
+    /// shards is fetched from the swarm (and the manifest's mirrors) into <home>/data.
+    #[arg(long = "data")]
+    pub dir: Option<PathBuf>,
+    /// Do not serve this node's verified shards of the run's data to peers (by default every
+    /// node serves the pinned shards it holds, on /gasloc/shard/1).
+    #[arg(long)]
+    pub no_serve_data: bool,
+    /// Cap the shard bytes this node sends to any one peer, per second (500k, 2M); the
+    /// node's --max-upload-rate caps them too, together with the exchanges.
+    #[arg(long, value_parser = parse_rate)]
+    pub data_serve_rate: Option<u64>,
+    /// Bytes asked for per shard request when fetching (1 KiB to 4 MiB); a fetch cut off
+    /// resumes from the last whole chunk.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub data_chunk_bytes: u64,
+    /// How long a shard may find no source (no peer holds it, no mirror serves it) before
+    /// the join stops with an error naming it, in seconds.
+    #[arg(long, default_value_t = 60)]
+    pub data_patience_s: u64,
+}
+
 impl RunData {
     /// Starts serving (when the run pins its shards) and, without `--data`, fetches the
     /// validation shards; the training shards follow in
     /// [`Self::fetch_training_shards`].
+    /// `home` is the node's directory (fetched shards go to `<home>/data`); a `synthetic`
+    /// node has no data and serves none.
+    #[allow(clippy::too_many_arguments)]
     pub async fn provide(
-        args: &JoinArgs,
+        args: &DataArgs,
+        home: &Path,
+        synthetic: bool,
         manifest: &RunManifest,
         node: &SwarmNode,
         upload: Option<Arc<UploadLimiter>>,
@@ -65,7 +95,7 @@ impl RunData {
         let shards = &manifest.data.shards;
         let run_id = manifest.run_id();
         let catalog = ShardCatalog::new();
-        let serving = !shards.is_empty() && !args.synthetic && !args.no_serve_data;
+        let serving = !shards.is_empty() && !synthetic && !args.no_serve_data;
         let service = match serving {
             true => {
                 let config = ShardServeConfig {
@@ -95,10 +125,10 @@ impl RunData {
             fetch: None,
         };
         data.keep_status_current(status.clone());
-        if args.synthetic {
+        if synthetic {
             return Ok(data);
         }
-        if let Some(dir) = &args.data {
+        if let Some(dir) = &args.dir {
             data.source = Some(RunDataSource::Given(dir.clone()));
             return Ok(data);
         }
@@ -108,7 +138,7 @@ impl RunData {
                  give --data <dir> with the run's shards"
             );
         }
-        let dir = args.home.join("data");
+        let dir = home.join("data");
         let fetch = DataFetch::start(args, manifest, node, &dir, status)?;
         let val: Vec<ShardEntry> = shards
             .iter()
@@ -233,9 +263,9 @@ impl RunData {
 
     /// Serves the shards of `--data` once the trainer checked them against the pinned table
     /// (they count as held, served or not).
-    pub fn serve_given_directory(&self, args: &JoinArgs, manifest: &RunManifest) {
-        let Some(dir) = &args.data else { return };
-        if args.synthetic || manifest.data.shards.is_empty() {
+    pub fn serve_given_directory(&self, args: &DataArgs, synthetic: bool, manifest: &RunManifest) {
+        let Some(dir) = &args.dir else { return };
+        if synthetic || manifest.data.shards.is_empty() {
             return;
         }
         for entry in &manifest.data.shards {
@@ -306,7 +336,7 @@ struct DataFetch {
 
 impl DataFetch {
     fn start(
-        args: &JoinArgs,
+        args: &DataArgs,
         manifest: &RunManifest,
         node: &SwarmNode,
         dir: &Path,

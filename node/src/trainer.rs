@@ -12,8 +12,9 @@
 //! dedicated thread.
 
 use crate::checkpoint::{self, Checkpoint, TrainState};
+use crate::inner_optimizer::InnerOptimizer;
 use crate::model::Llama;
-use crate::optim::{clip_grad_norm, InnerOptimizer, LrSchedule};
+use crate::optim::{clip_grad_norm, LrSchedule};
 use anyhow::{bail, Context, Result};
 use gasloc_data::shards::TokenDataset;
 use gasloc_data::stream::{Batch, BatchStream, WorkerSlot};

@@ -92,6 +92,15 @@ fn ready_to_send<T: Send + 'static>(
     })
 }
 
+/// Work under way for a round: the round, and the work's output with its tensors (if any)
+/// made ready to send.
+type ForRound<T> = WorkFuture<(u64, (Option<Arc<OutgoingPayload>>, T))>;
+
+/// `work`, its output labelled with the round it is for.
+fn of_round<T: Send + 'static>(round: u64, work: WorkFuture<T>) -> WorkFuture<(u64, T)> {
+    Box::pin(async move { Ok((round, work.await?)) })
+}
+
 /// Drives rounds until `options.rounds` have finished or `stop` is cancelled. Built by
 /// [`crate::swarm_node::JoinedNode::take_part`], the one wiring of a node.
 pub struct RoundDriver {
@@ -146,14 +155,13 @@ impl RoundDriver {
         let mut deadline = TrainDeadline::default();
         let mut payload: Option<Arc<OutgoingPayload>> = None;
         let mut arrived: ExchangeResults = Vec::new();
-        let mut training: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Trained)>> = None;
+        // Each piece of work in flight carries its round to its completion.
+        let mut training: Option<ForRound<Trained>> = None;
         let mut exchange: Option<JoinHandle<(u64, ExchangeResults)>> = None;
         let mut screening: Option<WorkFuture<Gated>> = None;
         // The last payload gate's round, duration and readings, for that round's record.
         let mut gate_took: Option<(u64, Duration, Vec<GateReading>)> = None;
-        let mut finishing: Option<WorkFuture<(Option<Arc<OutgoingPayload>>, Finished)>> = None;
-        // The round `finishing` finishes (with overlapped rounds not the one training).
-        let mut finishing_round = 0;
+        let mut finishing: Option<ForRound<Finished>> = None;
         let mut records = Vec::new();
         // Bans from an earlier life of this node hold from the start (the machine refuses a
         // banned neighbour without an exchange; the network refuses its connections).
@@ -179,14 +187,17 @@ impl RoundDriver {
                         self.service.advance_floor(round);
                         deadline = TrainDeadline::new(deadline_ms);
                         // The payload moves into the outgoing message (no copy).
-                        training = Some(ready_to_send(
-                            self.work.train(TrainOrder {
-                                round,
-                                deadline: deadline.clone(),
-                            }),
-                            tables.kind,
-                            self.options.send.clone(),
-                            |t| Some(std::mem::take(&mut t.payload)),
+                        training = Some(of_round(
+                            round,
+                            ready_to_send(
+                                self.work.train(TrainOrder {
+                                    round,
+                                    deadline: deadline.clone(),
+                                }),
+                                tables.kind,
+                                self.options.send.clone(),
+                                |t| Some(std::mem::take(&mut t.payload)),
+                            ),
                         ));
                     }
                     Output::MoveDeadline { deadline_ms, .. } => deadline.set(deadline_ms),
@@ -241,19 +252,21 @@ impl RoundDriver {
                             }
                         }
                         arrived.clear();
-                        finishing_round = round;
                         // The late-joiner state is made only when someone asked for it.
                         let want_state = self.service.take_state_wanted();
-                        finishing = Some(ready_to_send(
-                            self.work.finish(Received {
-                                round,
-                                mixing,
-                                payloads,
-                                want_state,
-                            }),
-                            PayloadKind::State,
-                            self.options.send.clone(),
-                            |f| f.state.take(),
+                        finishing = Some(of_round(
+                            round,
+                            ready_to_send(
+                                self.work.finish(Received {
+                                    round,
+                                    mixing,
+                                    payloads,
+                                    want_state,
+                                }),
+                                PayloadKind::State,
+                                self.options.send.clone(),
+                                |f| f.state.take(),
+                            ),
                         ));
                     }
                     Output::Record(mut record) => {
@@ -316,10 +329,10 @@ impl RoundDriver {
                 done = work_opt(&mut training) => {
                     training = None;
                     match done {
-                        Ok((ready, trained)) => {
+                        Ok((round, (ready, trained))) => {
                             payload = ready;
                             Input::Trained {
-                                round: machine.phase().map_or(0, |(round, _)| round),
+                                round,
                                 inner_steps: trained.inner_steps,
                                 step_time_s: trained.step_time_s,
                                 train_s: trained.train_s,
@@ -358,8 +371,7 @@ impl RoundDriver {
                 done = work_opt(&mut finishing) => {
                     finishing = None;
                     match done {
-                        Ok((state, finished)) => {
-                            let round = finishing_round;
+                        Ok((round, (state, finished))) => {
                             if let Some(state) = state {
                                 self.service.set_state(round + 1, state);
                             }

@@ -23,7 +23,7 @@ use crate::algo::outer::{
 };
 use crate::algo::overlap::{LocalModel, OverlappedOuter};
 use crate::algo::payload::{encode_lordo, model_bytes, through_bf16};
-use crate::optim::InnerOptimizer;
+use crate::inner_optimizer::InnerOptimizer;
 use crate::trainer::Trainer;
 use anyhow::{bail, Result};
 use clock::{Network, Straggler};
