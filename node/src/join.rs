@@ -36,20 +36,9 @@ use tokio_util::sync::CancellationToken;
 /// Arguments of `gasloc-node join`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct JoinArgs {
-    /// Where to enter the run: a bootstrap node's or any live node's address, ending in
-    /// /p2p/<peer id>. Without the peer id (`/dns4/bootstrap/tcp/4001`, as in a compose
-    /// network) whoever answers there is trusted to serve the manifest: give --run-id to pin
-    /// the run. Repeatable.
-    #[arg(long = "bootstrap", required = true)]
-    pub bootstrap: Vec<Multiaddr>,
-    /// Addresses to listen on. Repeatable. Default: QUIC and TCP on all interfaces, on free
-    /// ports; with --swarm-key, TCP only.
-    #[arg(long = "listen")]
-    pub listen: Vec<Multiaddr>,
-    /// A private swarm's pre-shared key (a go-ipfs/kubo `swarm.key` file, libp2p pnet): only
-    /// peers holding the same key can connect at all. TCP only: QUIC addresses are refused.
-    #[arg(long)]
-    pub swarm_key: Option<PathBuf>,
+    /// The network: where to enter, where to listen, transports and discovery.
+    #[command(flatten)]
+    pub network: NetworkArgs,
     /// This node's directory: its identity key (identity.key, unless --identity) and its
     /// checkpoints (checkpoints/). A restarted node resumes from here.
     #[arg(long, default_value = "gasloc-home")]
@@ -89,21 +78,9 @@ pub struct JoinArgs {
     /// Cap this node's upload, all peers together, in bytes per second (500k, 2M, 1.5MB/s).
     #[arg(long, value_parser = parse_rate)]
     pub max_upload_rate: Option<u64>,
-    /// Use the synthetic trainer (random payload, sleeps instead of training).
-    #[arg(long)]
-    pub synthetic: bool,
-    /// Synthetic payload size in bytes per round.
-    #[arg(long, default_value_t = 1 << 20)]
-    pub payload_bytes: usize,
-    /// Tensors the synthetic payload is split into.
-    #[arg(long, default_value_t = 4)]
-    pub tensors: usize,
-    /// Synthetic inner steps per round.
-    #[arg(long, default_value_t = 10)]
-    pub inner_steps: u32,
-    /// Synthetic step time in milliseconds.
-    #[arg(long, default_value_t = 10)]
-    pub step_time_ms: u64,
+    /// The synthetic trainer (network tests and benchmarks without libtorch).
+    #[command(flatten)]
+    pub synthetic: SyntheticArgs,
     /// Rounds to take part in before leaving (default: until SIGINT/SIGTERM).
     #[arg(long)]
     pub rounds: Option<u64>,
@@ -120,6 +97,25 @@ pub struct JoinArgs {
     /// does so whenever it did not resume from its own checkpoint).
     #[arg(long)]
     pub sync_state: bool,
+}
+
+/// `gasloc-node join`'s flags about the network, flattened into [`JoinArgs`].
+#[derive(Debug, Clone, clap::Args)]
+pub struct NetworkArgs {
+    /// Where to enter the run: a bootstrap node's or any live node's address, ending in
+    /// /p2p/<peer id>. Without the peer id (`/dns4/bootstrap/tcp/4001`, as in a compose
+    /// network) whoever answers there is trusted to serve the manifest: give --run-id to pin
+    /// the run. Repeatable.
+    #[arg(long = "bootstrap", required = true)]
+    pub bootstrap: Vec<Multiaddr>,
+    /// Addresses to listen on. Repeatable. Default: QUIC and TCP on all interfaces, on free
+    /// ports; with --swarm-key, TCP only.
+    #[arg(long = "listen")]
+    pub listen: Vec<Multiaddr>,
+    /// A private swarm's pre-shared key (a go-ipfs/kubo `swarm.key` file, libp2p pnet): only
+    /// peers holding the same key can connect at all. TCP only: QUIC addresses are refused.
+    #[arg(long)]
+    pub swarm_key: Option<PathBuf>,
     /// Discover peers on the LAN with mDNS.
     #[arg(long)]
     pub mdns: bool,
@@ -149,12 +145,9 @@ pub struct JoinArgs {
     /// QUIC per-connection receive window in bytes.
     #[arg(long, default_value_t = 64 << 20)]
     pub quic_connection_window: u32,
-    /// Fault injection for tests: commit but never reveal.
-    #[arg(long, hide = true)]
-    pub withhold_reveals: bool,
 }
 
-impl JoinArgs {
+impl NetworkArgs {
     /// The network settings these arguments describe.
     /// The network settings of these flags; fails on an unreadable or malformed
     /// `--swarm-key` file, naming it.
@@ -183,20 +176,42 @@ impl JoinArgs {
     }
 }
 
+/// `gasloc-node join`'s flags for the synthetic trainer (`--synthetic` and its payload and
+/// pace), flattened into [`JoinArgs`].
+#[derive(Debug, Clone, clap::Args)]
+pub struct SyntheticArgs {
+    /// Use the synthetic trainer (random payload, sleeps instead of training).
+    #[arg(long = "synthetic")]
+    pub on: bool,
+    /// Synthetic payload size in bytes per round.
+    #[arg(long, default_value_t = 1 << 20)]
+    pub payload_bytes: usize,
+    /// Tensors the synthetic payload is split into.
+    #[arg(long, default_value_t = 4)]
+    pub tensors: usize,
+    /// Synthetic inner steps per round.
+    #[arg(long, default_value_t = 10)]
+    pub inner_steps: u32,
+    /// Synthetic step time in milliseconds.
+    #[arg(long, default_value_t = 10)]
+    pub step_time_ms: u64,
+}
+
 /// Runs `gasloc-node join` to completion on a fresh tokio runtime: until `--rounds` rounds
 /// are done or SIGINT / SIGTERM, after which the round in flight finishes, the trainer is
 /// closed (its checkpoint) and the node leaves the swarm.
 pub fn run(args: JoinArgs) -> Result<()> {
-    if args.synthetic && (args.tensors == 0 || args.payload_bytes < 4 * args.tensors) {
+    let synthetic = &args.synthetic;
+    if synthetic.on && (synthetic.tensors == 0 || synthetic.payload_bytes < 4 * synthetic.tensors) {
         bail!("--payload-bytes must give every one of the --tensors at least 4 bytes");
     }
     // The synthetic trainer uses no device.
-    let device = match args.synthetic {
+    let device = match args.synthetic.on {
         true => None,
         false => Some(parse_device(&args.device)?),
     };
     // The home holds the default identity key and the libtorch trainer's checkpoints.
-    if args.identity.is_none() || !args.synthetic {
+    if args.identity.is_none() || !args.synthetic.on {
         std::fs::create_dir_all(&args.home)
             .with_context(|| format!("cannot create --home {}", args.home.display()))?;
     }
@@ -214,7 +229,7 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
         .unwrap_or_else(|| args.home.join("identity.key"));
     let keypair = gasloc_p2p::identity::load_or_create(&identity)?;
     let mut registry = prometheus_client::registry::Registry::default();
-    let network = args.network_config()?;
+    let network = args.network.network_config()?;
     if let Some(key) = &network.swarm_key {
         // The fingerprint, never the key: every member's must match.
         println!("swarm_key_fingerprint={}", key.fingerprint());
@@ -230,7 +245,7 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
     let (manifest, timing) = node
         .fetch_manifest(&bootstrap_peers, args.run_id)
         .await
-        .map_err(|e| match &args.swarm_key {
+        .map_err(|e| match &args.network.swarm_key {
             // Under another key a dial fails with no reason given: say what to check.
             Some(path) => e.context(format!(
                 "this node is in a private swarm (--swarm-key {}): a bootstrap with another \
@@ -273,7 +288,7 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
     let mut data = RunData::provide(
         &args.data,
         &args.home,
-        args.synthetic,
+        args.synthetic.on,
         &manifest,
         &node,
         upload_limit.clone(),
@@ -283,7 +298,7 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
     let (mut work, started_from, shards_ahead) =
         make_trainer(&args, &manifest, me, device, data.source.clone()).await?;
     // The trainer checked --data against the pinned table before it opened it: serve it.
-    data.serve_given_directory(&args.data, args.synthetic, &manifest);
+    data.serve_given_directory(&args.data, args.synthetic.on, &manifest);
     // Without --data: the training shards, in the order the trainer will read them; the
     // first before the first round, the rest while it trains.
     data.fetch_training_shards(&manifest, &shards_ahead, stop.clone(), &status)
@@ -355,7 +370,7 @@ async fn join(args: JoinArgs, device: Option<tch::Device>) -> Result<()> {
         work,
         options: DriverOptions {
             rounds: args.rounds.unwrap_or(u64::MAX),
-            withhold_reveals: args.withhold_reveals,
+            withhold_reveals: false,
             send: SendOptions {
                 zstd_level: args.zstd_level,
                 upload_limit,
@@ -416,10 +431,10 @@ async fn make_trainer(
     let Some(device) = device else {
         let trainer = SyntheticTrainer::new(
             peer,
-            args.payload_bytes,
-            args.tensors,
-            args.inner_steps,
-            Duration::from_millis(args.step_time_ms),
+            args.synthetic.payload_bytes,
+            args.synthetic.tensors,
+            args.synthetic.inner_steps,
+            Duration::from_millis(args.synthetic.step_time_ms),
         );
         return Ok((Box::new(trainer), StartedFrom::Nothing, Vec::new()));
     };
