@@ -12,11 +12,14 @@
 //! * the goodput each peer announced (an `Announce` beside its commit), so that the partner
 //!   of a slow node stops training early enough even when they never met.
 //!
-//! `C_i` is this round's payload bytes times the seconds per byte of the slowest link
+//! `C_i` is this round's payload bytes ([`PayloadBytes`]: per model fragment, or larger on
+//! the LoRDO payload's full-sync rounds) times the seconds per byte of the slowest link
 //! involved; the inner steps' deadline is the round's end less `C_i`, the outer step's time
 //! and a margin ([`train_deadline`]).
 
 use crate::schedule::Timing;
+use gasloc_proto::fragments::fragment_of_round;
+use gasloc_proto::manifest::is_full_sync_round;
 use gasloc_proto::pace::MovingAverage;
 use gasloc_proto::topology::Topology;
 use libp2p::PeerId;
@@ -140,6 +143,39 @@ pub fn train_deadline(
     let reserve_s = predicted_exchange_s + finish_s.unwrap_or(0.0);
     let reserve_ms = (reserve_s * 1000.0).ceil() as u64 + timing.period_ms / 20;
     timing.round_start(round + 1).saturating_sub(reserve_ms)
+}
+
+/// Bytes of one round's payload: the same every round, one size per model fragment in turn
+/// (`[outer] fragments`), or (the LoRDO payload, whose full-sync rounds carry the anchor too)
+/// larger every `every`-th round.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PayloadBytes {
+    /// The payload of each fragment, round r sending fragment
+    /// [`fragment_of_round`]`(r, len)`: one entry for whole-model payloads.
+    pub by_fragment: Vec<u64>,
+    /// `(every, bytes)`: the payload of a round `r` with `is_full_sync_round(r, every)`.
+    pub full_sync: Option<(u64, u64)>,
+}
+
+impl PayloadBytes {
+    /// A payload of `bytes` every round.
+    pub fn fixed(bytes: u64) -> Self {
+        PayloadBytes {
+            by_fragment: vec![bytes],
+            full_sync: None,
+        }
+    }
+
+    /// The payload's bytes in `round`.
+    pub fn of_round(&self, round: u64) -> u64 {
+        match self.full_sync {
+            Some((every, bytes)) if is_full_sync_round(round, every) => bytes,
+            _ => {
+                let f = fragment_of_round(round, self.by_fragment.len());
+                self.by_fragment.get(f).copied().unwrap_or(0)
+            }
+        }
+    }
 }
 
 #[cfg(test)]

@@ -39,11 +39,10 @@
 //!
 //! [`RoundDriver`]: crate::driver::RoundDriver
 
+pub use crate::links::PayloadBytes;
 use crate::links::{train_deadline, LinkEstimates};
 use crate::peer_standing::{Ban, PeerStanding};
 use crate::schedule::{Action, RoundPlan, RoundSchedule, Timing};
-use gasloc_proto::fragments::fragment_of_round;
-use gasloc_proto::manifest::is_full_sync_round;
 use gasloc_proto::manifest::GateConfig;
 use gasloc_proto::pace::MovingAverage;
 use gasloc_proto::topology::{MixingRow, Topology};
@@ -73,39 +72,6 @@ pub struct MachineConfig {
     /// exchange has started the next round may start training beside it. At most one round is handed off: the next one
     /// exchanges only after it has finished.
     pub overlap: bool,
-}
-
-/// Bytes of one round's payload: the same every round, one size per model fragment in turn
-/// (`[outer] fragments`), or (the LoRDO payload, whose full-sync rounds carry the anchor too)
-/// larger every `every`-th round.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PayloadBytes {
-    /// The payload of each fragment, round r sending fragment
-    /// [`fragment_of_round`]`(r, len)`: one entry for whole-model payloads.
-    pub by_fragment: Vec<u64>,
-    /// `(every, bytes)`: the payload of a round `r` with `is_full_sync_round(r, every)`.
-    pub full_sync: Option<(u64, u64)>,
-}
-
-impl PayloadBytes {
-    /// A payload of `bytes` every round.
-    pub fn fixed(bytes: u64) -> Self {
-        PayloadBytes {
-            by_fragment: vec![bytes],
-            full_sync: None,
-        }
-    }
-
-    /// The payload's bytes in `round`.
-    pub fn of_round(&self, round: u64) -> u64 {
-        match self.full_sync {
-            Some((every, bytes)) if is_full_sync_round(round, every) => bytes,
-            _ => {
-                let f = fragment_of_round(round, self.by_fragment.len());
-                self.by_fragment.get(f).copied().unwrap_or(0)
-            }
-        }
-    }
 }
 
 /// What happened, as the caller tells it.
