@@ -6,7 +6,7 @@
 //! - [`frames`], [`exchange`], [`exchange_service`]: tensor exchange on `/gasloc/exchange/2`
 //!   and state sync on `/gasloc/state/1`.
 //! - [`manifest_service`]: the manifest request-response protocol.
-//! - [`shard_service`], [`shard_fetch`]: the run's pinned token shards on `/gasloc/shard/1`
+//! - [`shard_service`], [`shard_client`], [`shard_fetch`]: the run's pinned token shards on `/gasloc/shard/1`
 //!   (served from a catalog of verified files) and fetched from peers and HTTP mirrors.
 //! - [`identity`]: the persisted node key.
 //! - [`access`], [`swarm_key`]: a closed run's allow-list, and a private swarm's pre-shared
@@ -39,6 +39,7 @@ pub mod peer_standing;
 pub mod permutation;
 pub mod round_machine;
 pub mod schedule;
+pub mod shard_client;
 pub mod shard_fetch;
 pub mod shard_service;
 pub mod swarm;

@@ -20,7 +20,8 @@
 //! another source. A shard no source holds for [`FetchConfig::patience`] ends the fetch
 //! with [`FetchError::NoSource`].
 
-use crate::shard_service::{fetch_range, is_shard_file_name, list_shards, ShardRefusal};
+use crate::shard_client::{fetch_range, list_shards};
+use crate::shard_service::{is_shard_file_name, ShardRefusal};
 use crate::shard_service::{ShardCatalog, MAX_SHARD_CHUNK};
 use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};

@@ -22,7 +22,7 @@ use crate::manifest_service::verify_manifest_response;
 use crate::network::{self, unix_ms, Client, ClientError, Network, NetworkEvent};
 use crate::schedule::Timing;
 use crate::tensors::{TensorSet, TensorSpec};
-use crate::work::RoundWork;
+use crate::work::{AnchorSpread, RoundWork};
 use anyhow::{anyhow, bail};
 use gasloc_proto::gate::{judge_against_median, judge_pair, momentum_clip, StateVerdict};
 use gasloc_proto::manifest::GateConfig;
@@ -89,31 +89,6 @@ pub struct SyncedState {
     /// its windows from them, fragment by fragment
     /// ([`RoundWork::load_state`](crate::work::RoundWork::load_state)).
     pub spread: AnchorSpread,
-}
-
-/// How far each kept source's anchor lies from the state a joiner starts from, tensor by
-/// tensor: `by_source[s][k] = ‖θ_s,k − θ_start,k‖` over the k-th anchor tensor (the state's
-/// anchor tensors in order, so the model's parameters in order).
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct AnchorSpread {
-    pub by_source: Vec<Vec<f64>>,
-}
-
-impl AnchorSpread {
-    /// Each source's distance over the tensors `members` (indices among the anchor's).
-    pub fn over(&self, members: &[usize]) -> Vec<f64> {
-        self.by_source
-            .iter()
-            .map(|d| {
-                members
-                    .iter()
-                    .filter_map(|&k| d.get(k))
-                    .map(|x| x * x)
-                    .sum::<f64>()
-                    .sqrt()
-            })
-            .collect()
-    }
 }
 
 impl SyncedState {

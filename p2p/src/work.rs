@@ -13,7 +13,6 @@
 //! [`SyntheticTrainer`]: crate::synthetic::SyntheticTrainer
 
 use crate::round_machine::PayloadBytes;
-pub use crate::swarm_node::AnchorSpread;
 use crate::tensors::{TensorSet, TensorSpec};
 use gasloc_proto::fragments::fragment_of_round;
 use gasloc_proto::gate::Refusal;
@@ -228,6 +227,31 @@ pub trait RoundWork: Send + Sync {
     fn load_state(&mut self, round: u64, state: TensorSet, spread: AnchorSpread) -> WorkFuture<()>;
     /// Leaving the swarm: persist what a restart needs (a checkpoint of the last anchor).
     fn close(&mut self) -> WorkFuture<()>;
+}
+
+/// How far each kept source's anchor lies from the state a joiner starts from, tensor by
+/// tensor: `by_source[s][k] = ‖θ_s,k − θ_start,k‖` over the k-th anchor tensor (the state's
+/// anchor tensors in order, so the model's parameters in order).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AnchorSpread {
+    pub by_source: Vec<Vec<f64>>,
+}
+
+impl AnchorSpread {
+    /// Each source's distance over the tensors `members` (indices among the anchor's).
+    pub fn over(&self, members: &[usize]) -> Vec<f64> {
+        self.by_source
+            .iter()
+            .map(|d| {
+                members
+                    .iter()
+                    .filter_map(|&k| d.get(k))
+                    .map(|x| x * x)
+                    .sum::<f64>()
+                    .sqrt()
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]

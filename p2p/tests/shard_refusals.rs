@@ -7,10 +7,10 @@ mod shard_common;
 
 use futures::{AsyncReadExt, AsyncWriteExt, StreamExt};
 use gasloc_p2p::network::Network;
+use gasloc_p2p::shard_client::{fetch_range, list_shards, ShardClientError};
 use gasloc_p2p::shard_service::{
-    fetch_range, list_shards, read_request, read_response, write_request, write_response,
-    ShardClientError, ShardRefusal, ShardService, MAX_SHARD_CHUNK, MAX_SHARD_REQUEST,
-    SHARD_PROTOCOL,
+    read_request, read_response, write_request, write_response, ShardRefusal, ShardService,
+    MAX_SHARD_CHUNK, MAX_SHARD_REQUEST, SHARD_PROTOCOL,
 };
 use gasloc_proto::wire::{ShardRequest, ShardResponse};
 use gasloc_proto::{RunId, ShardEntry};
